@@ -1,0 +1,119 @@
+"""One place for every IMerge knob: keyword arguments override ``IMERGE_*`` env vars."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
+
+
+@dataclass(frozen=True)
+class ScheduleTraits:
+    """What a schedule name switches on (see DESIGN.md, "Schedules")."""
+
+    planner: str  # none | threshold | mgwfbp | optimal
+    push_after_backward: bool  # `default`: nothing leaves before synchronize()
+    partition: bool  # cut groups into partitions of <= partition_bytes
+    priority: bool  # front layers first, preempting at partition granularity
+    stagger: bool  # worker r starts each group's partition sequence at server r % S
+    overlap_forward: bool  # defer the update into the next forward pass
+
+
+SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
+    "default": ScheduleTraits("none", True, False, False, False, False),
+    "wfbp": ScheduleTraits("none", False, False, False, False, False),
+    "priority": ScheduleTraits("none", False, True, True, False, False),
+    "threshold": ScheduleTraits("threshold", False, False, False, False, False),
+    "mgwfbp": ScheduleTraits("mgwfbp", False, False, False, False, False),
+    "adaptive-ps": ScheduleTraits("optimal", False, False, False, False, False),
+    "imerge": ScheduleTraits("optimal", False, True, True, True, True),
+}
+
+_MiB = 1 << 20
+
+
+@dataclass
+class Config:
+    """Every IMerge setting. Each field ``x`` can also be set with env var ``IMERGE_X``."""
+
+    num_servers: int | None = None
+    schedule: str = "imerge"
+    backward_passes_per_step: int = 1
+    partition_bytes: int = 4 * _MiB
+    credit_bytes: int = 64 * _MiB
+    fusion_threshold_bytes: int = 25 * _MiB
+    profile_steps: int = 10
+    overlap_forward: bool | None = None  # None: as the schedule says
+    timeout_s: float = 600.0
+    stall_warning_s: float = 60.0
+    plan_log: bool = False
+    cost_model_path: str = field(default_factory=lambda: os.path.join(
+        os.path.expanduser("~"), ".cache", "imerge", "psmodel-{workers}w-{servers}s-{hosts}.json"))
+    calibrate: bool = True  # measure a PS model at start-up when none is cached
+    timeline: str | None = None
+    compression: str = "none"  # none | fp16 | bf16
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"IMerge: unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.backward_passes_per_step < 1:
+            raise ValueError("IMerge: backward_passes_per_step must be >= 1, "
+                             f"got {self.backward_passes_per_step}")
+        for name in ("partition_bytes", "credit_bytes", "fusion_threshold_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"IMerge: {name} must be positive, got {getattr(self, name)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
+        if self.compression not in ("none", "fp16", "bf16"):
+            raise ValueError(f"IMerge: compression must be none, fp16 or bf16, got {self.compression!r}")
+
+    @property
+    def traits(self) -> ScheduleTraits:
+        return SCHEDULE_TRAITS[self.schedule]
+
+    @property
+    def overlap(self) -> bool:
+        return self.traits.overlap_forward if self.overlap_forward is None else bool(self.overlap_forward)
+
+    @classmethod
+    def from_env(cls, base: Config | None = None, **overrides: Any) -> Config:
+        """Build a Config: ``overrides`` > ``IMERGE_*`` env vars > ``base`` > defaults."""
+        values: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
+        overrides = {k: v for k, v in overrides.items() if v is not None}  # None means "not given"
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        for name in known:
+            env = os.environ.get("IMERGE_" + name.upper())
+            if env is not None and name not in overrides:
+                values[name] = _parse(name, env, known[name].type)
+        for name, value in overrides.items():
+            if name not in known:
+                raise TypeError(f"IMerge: unknown config option {name!r}; known options: {', '.join(sorted(known))}")
+            values[name] = value
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(name: str, text: str, type_name: Any) -> Any:
+    type_text = str(type_name)
+    try:
+        if "bool" in type_text:
+            low = text.strip().lower()
+            if low in ("", "none") and "None" in type_text:
+                return None
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if type_text.startswith("int"):
+            return None if text.strip().lower() in ("", "none") and "None" in type_text else int(text)
+        if type_text.startswith("float"):
+            return float(text)
+        return text
+    except ValueError:
+        raise ValueError(f"IMerge: env var IMERGE_{name.upper()}={text!r} is not a valid {type_text}") from None

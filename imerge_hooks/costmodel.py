@@ -1,0 +1,215 @@
+"""Communication cost models: how long one message of m bytes takes.
+
+The planner only needs ``T(m)``, monotone in m. Two models are provided:
+
+- :class:`LinearModel` (``alpha + beta*m``), the all-reduce model MG-WFBP assumes;
+- :class:`PSModel`, a table measured on the real many-to-one parameter-server pattern
+  (every worker pushes and pulls m bytes at once), because its startup cost grows quickly
+  with the number of workers (incast) and a straight line misjudges it.
+
+Both also offer ``time_array`` so the planner's dynamic program can evaluate many sizes at
+once. ``calibrate()`` (which needs MPI) lives elsewhere; this module imports no MPI.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+# Smallest slope (s/byte) a fit may return, so bandwidth stays finite and JSON-safe.
+_MIN_SLOPE = 1e-15
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Anything that can say how long one message of ``nbytes`` takes (monotone in nbytes)."""
+
+    def time(self, nbytes: float) -> float:
+        ...
+
+
+def _least_squares(sizes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Fit ``t = c + k*m`` by least squares with ``c >= 0`` and ``k >= 0``.
+
+    A negative intercept is refitted through the origin (the constrained optimum); a
+    negative slope becomes a flat line at the mean. Why: a cost model with negative startup
+    or negative per-byte cost would make the planner believe in free messages.
+    """
+    x = np.asarray(sizes, dtype=float)
+    y = np.asarray(times, dtype=float)
+    if x.ndim != 1 or x.shape != y.shape or x.size == 0:
+        raise ValueError(f"IMerge: fit needs equal-length, non-empty sizes and times, "
+                         f"got {x.size} sizes and {y.size} times")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise ValueError("IMerge: fit got non-finite sizes or times")
+    if x.size == 1 or np.ptp(x) == 0:
+        return max(float(np.mean(y)), 0.0), 0.0
+    k, c = np.polyfit(x, y, 1)
+    if c < 0:
+        c = 0.0
+        denom = float(np.dot(x, x))
+        k = float(np.dot(x, y)) / denom if denom > 0 else 0.0
+    if k < 0:
+        k, c = 0.0, max(float(np.mean(y)), 0.0)
+    return float(c), float(k)
+
+
+@dataclass
+class LinearModel:
+    """``T(m) = alpha + beta*m`` (seconds; alpha is the startup, beta seconds per byte)."""
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + self.beta * float(nbytes)
+
+    def time_array(self, nbytes: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`time`."""
+        return self.alpha + self.beta * np.asarray(nbytes, dtype=float)
+
+    @classmethod
+    def fit(cls, sizes: Sequence[float], times: Sequence[float]) -> LinearModel:
+        """Least-squares fit, alpha and beta clipped to >= 0."""
+        alpha, beta = _least_squares(sizes, times)
+        return cls(alpha=alpha, beta=beta)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "LinearModel", "alpha": float(self.alpha), "beta": float(self.beta)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LinearModel:
+        return cls(alpha=float(d["alpha"]), beta=float(d["beta"]))
+
+
+@dataclass
+class PSModel:
+    """Measured PS cost table for ``workers`` workers and ``servers`` servers.
+
+    ``sizes`` (bytes, strictly increasing) and ``times`` (seconds) are the measured grid.
+    ``a`` (startup, s) and ``bandwidth`` (bytes/s per server) are the fit
+    ``T(m) = a + W*m/(S*B)``, used only for extrapolation beyond the grid; when left as
+    ``None`` they are fitted from the table.
+
+    ``time(m)``: the table is first made monotone (running maximum, so measurement noise
+    can never make a bigger message look cheaper); below the grid the first value, on the
+    grid piecewise-linear interpolation, beyond it the fitted slope, continuous at the last
+    point.
+    """
+
+    workers: int
+    servers: int
+    sizes: list[float]
+    times: list[float]
+    hosts: list[str] = field(default_factory=list)
+    a: float | None = None
+    bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        self.workers, self.servers = int(self.workers), int(self.servers)
+        if self.workers < 1 or self.servers < 1:
+            raise ValueError(f"IMerge: PSModel needs workers >= 1 and servers >= 1, "
+                             f"got workers={self.workers}, servers={self.servers}")
+        self.sizes = [float(s) for s in self.sizes]
+        self.times = [float(t) for t in self.times]
+        self.hosts = [str(h) for h in self.hosts]
+        if not self.sizes or len(self.sizes) != len(self.times):
+            raise ValueError(f"IMerge: PSModel needs equal-length, non-empty sizes and times, "
+                             f"got {len(self.sizes)} sizes and {len(self.times)} times")
+        if not all(math.isfinite(v) and v >= 0 for v in self.sizes + self.times):
+            raise ValueError("IMerge: PSModel sizes and times must be finite and >= 0")
+        if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])):
+            raise ValueError(f"IMerge: PSModel sizes must be strictly increasing, got {self.sizes}")
+        if self.a is None or self.bandwidth is None:
+            a, bw = self._fit_params(self.workers, self.servers, self.sizes, self.times)
+            self.a = a if self.a is None else float(self.a)
+            self.bandwidth = bw if self.bandwidth is None else float(self.bandwidth)
+        self.a, self.bandwidth = float(self.a), float(self.bandwidth)
+        if self.a < 0 or not self.bandwidth > 0 or not math.isfinite(self.bandwidth):
+            raise ValueError(f"IMerge: PSModel needs a >= 0 and finite bandwidth > 0, "
+                             f"got a={self.a}, bandwidth={self.bandwidth}")
+        self._x = np.asarray(self.sizes, dtype=float)
+        self._y = np.maximum.accumulate(np.asarray(self.times, dtype=float))
+        self._mono = self._y.tolist()
+        self._slope = self.workers / (self.servers * self.bandwidth)
+
+    @staticmethod
+    def _fit_params(workers: int, servers: int, sizes: Sequence[float],
+                    times: Sequence[float]) -> tuple[float, float]:
+        a, k = _least_squares(sizes, times)
+        k = max(k, _MIN_SLOPE)
+        return a, workers / (servers * k)
+
+    @classmethod
+    def fit(cls, workers: int, servers: int, sizes: Sequence[float], times: Sequence[float],
+            hosts: Sequence[str] = ()) -> PSModel:
+        """Build a model from a measured table, fitting ``a`` (>= 0) and ``B`` (> 0)."""
+        a, bw = cls._fit_params(int(workers), int(servers), [float(s) for s in sizes],
+                                [float(t) for t in times])
+        return cls(workers=workers, servers=servers, sizes=list(sizes), times=list(times),
+                   hosts=list(hosts), a=a, bandwidth=bw)
+
+    def time_array(self, nbytes: np.ndarray) -> np.ndarray:
+        """Vectorised :meth:`time`."""
+        m = np.asarray(nbytes, dtype=float)
+        out = np.interp(m, self._x, self._y)  # clamps to the end values outside the grid
+        beyond = m > self._x[-1]
+        if np.any(beyond):
+            out = np.where(beyond, self._y[-1] + self._slope * (m - self._x[-1]), out)
+        return out
+
+    def time(self, nbytes: float) -> float:
+        # Pure-Python path: the planner's simulation calls this once per group.
+        m, xs, ys = float(nbytes), self.sizes, self._mono
+        if m <= xs[0]:
+            return ys[0]
+        if m >= xs[-1]:
+            return ys[-1] + self._slope * (m - xs[-1])
+        k = bisect.bisect_right(xs, m)
+        x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
+        return y0 + (y1 - y0) * (m - x0) / (x1 - x0)
+
+    def describe(self) -> str:
+        """One line for logs: startup, per-server bandwidth, W, S and the grid."""
+        return (f"PSModel W={self.workers} S={self.servers}: a={self.a * 1e6:.1f} us, "
+                f"B={self.bandwidth / 1e6:.1f} MB/s per server, "
+                f"grid {self.sizes[0]:.0f}..{self.sizes[-1]:.0f} B ({len(self.sizes)} points)")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"] = "PSModel"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PSModel:
+        return cls(workers=d["workers"], servers=d["servers"], sizes=list(d["sizes"]),
+                   times=list(d["times"]), hosts=list(d.get("hosts", [])),
+                   a=d.get("a"), bandwidth=d.get("bandwidth"))
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically (temp file + rename): several ranks may share one cache path."""
+        path = os.fspath(path)
+        directory = os.path.dirname(path) or "."
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".psmodel-", suffix=".json", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> PSModel:
+        with open(path) as f:
+            return cls.from_dict(json.load(f))

@@ -1,0 +1,253 @@
+"""Worker runtime for parameter gradients: grad hooks -> groups -> comm thread -> completion.
+
+Gradients live in flat per-group buffers (``param.grad`` is a view into one), so a group is
+pushed without a pack copy. A group goes to the comm thread as soon as every tensor in it
+has its gradient (or at ``synchronize()`` for the ``default`` schedule). Layout changes
+(a new fusion plan) happen only between iterations, as a numbered plan epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from . import runtime
+from .config import Config
+from .errors import IMergeUsageError
+from .layout import Group, Placement, cut_keys, dtype_name, names_in_range
+from .scheduler import SchedulePolicy
+from .transport import SUPPORTED_DTYPES, KeySpec
+
+log = logging.getLogger("imerge")
+
+
+class GradientEngine:
+    """Synchronises the gradients of one set of named parameters through the servers."""
+
+    def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], config: Config) -> None:
+        self.cfg = config
+        self.topo = runtime.topology()
+        self.comm = runtime.comm_thread()
+        self.client = runtime.new_client_id()
+        self.names = [name for name, _ in named_parameters]
+        self.params = [p for _, p in named_parameters]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._check_parameters()
+        traits = config.traits
+        self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
+                                     credit_bytes=config.credit_bytes if traits.partition else None)
+        self.immediate = not traits.push_after_backward
+        self.passes = config.backward_passes_per_step
+        self.iteration = 0
+        self.epoch = 0
+        self.counts = [0] * len(self.params)
+        self.ready_at: list[float] = [0.0] * len(self.params)
+        self.backward_started: float | None = None
+        self.groups: list[Group] = []
+        self.group_of: list[int] = [0] * len(self.params)
+        self.views: list[torch.Tensor] = []
+        self.without_gradient: set[int] = set()  # no worker produced a gradient this step
+        self.listeners: list = []  # callables(engine) run after each synchronize (profiler, planner)
+        # First guess of the ready order: reverse registration order (as DDP assumes).
+        initial = [[i] for i in reversed(range(len(self.params)))]
+        self.set_layout(initial)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    # ------------------------------------------------------------------ checks
+    def _check_parameters(self) -> None:
+        where = f"worker {self.topo.worker_rank}"
+        seen: dict[str, int] = {}
+        for name, p in zip(self.names, self.params):
+            if name in seen:
+                raise ValueError(f"IMerge: {where}: parameter name {name!r} is used twice; names must be unique")
+            seen[name] = 1
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"IMerge: {where}: {name!r} is a {type(p).__name__}, not a tensor")
+            dtype_name(p.dtype, name, where)
+            if not p.requires_grad:
+                raise ValueError(f"IMerge: {where}: parameter {name!r} has requires_grad=False; leave frozen "
+                                 "parameters out of the optimizer (or of named_parameters)")
+        if len(self._index) != len(self.params):
+            raise ValueError(f"IMerge: {where}: the same parameter tensor appears twice in named_parameters")
+
+    # ------------------------------------------------------------------ layout
+    def set_layout(self, plan: list[list[int]]) -> None:
+        """Rebuild groups for ``plan`` (lists of parameter indices, in send order).
+
+        Must be called on every worker at the same iteration boundary (it registers a new
+        plan epoch with the servers, a collective step).
+        """
+        if self.groups and any(g.submitted and not g.done.is_set() for g in self.groups):
+            raise IMergeUsageError("IMerge internal: layout change while groups are in flight")
+        covered = sorted(i for group in plan for i in group)
+        if covered != list(range(len(self.params))):
+            raise ValueError("IMerge: a plan must list every parameter index exactly once")
+        old_views = self.views
+        placement = Placement(self.topo.num_servers)
+        key_ids = iter(runtime.allocate_keys(self._count_keys(plan)))
+        groups: list[Group] = []
+        views: list[torch.Tensor | None] = [None] * len(self.params)
+        for gi, members in enumerate(plan):
+            dtypes = {self.params[i].dtype for i in members}
+            devices = {self.params[i].device for i in members}
+            if len(dtypes) != 1 or len(devices) != 1:
+                raise ValueError(f"IMerge: plan group {gi} mixes dtypes/devices {dtypes} {devices}; "
+                                 "groups must be homogeneous")
+            dtype, device = dtypes.pop(), devices.pop()
+            total = sum(self.params[i].numel() for i in members)
+            flat = torch.zeros(total, dtype=dtype, device=device)
+            spans = []
+            offset = 0
+            for i in members:
+                p = self.params[i]
+                view = flat[offset:offset + p.numel()].view_as(p)
+                previous = old_views[i] if old_views else p.grad
+                if previous is not None:
+                    view.copy_(previous)
+                if p.grad is not None or old_views:
+                    p.grad = view
+                views[i] = view
+                spans.append((self.names[i], offset, p.numel()))
+                self.group_of[i] = gi
+                offset += p.numel()
+            on_host = device.type == "cpu"
+            result = torch.empty(total, dtype=dtype, pin_memory=not on_host and torch.cuda.is_available())
+            staging = None if on_host else torch.empty_like(result)
+            ranges = cut_keys(total, flat.element_size(),
+                              self.cfg.partition_bytes if self.cfg.traits.partition else None)
+            keys = []
+            for start, end in ranges:
+                nbytes = (end - start) * flat.element_size()
+                keys.append(KeySpec(next(key_ids), nbytes, SUPPORTED_DTYPES[dtype], placement.place(nbytes),
+                                    names_in_range(spans, start, end)))
+            groups.append(Group(index=gi, flat=flat, result=result, keys=keys, key_ranges=ranges,
+                                priority=min(members), names=tuple(self.names[i] for i in members),
+                                staging=staging))
+            groups[-1].members = list(members)
+        self.groups = groups
+        self.views = views
+        self.group_arrived = [0] * len(groups)
+        self.epoch = runtime.register_keys(self.client, [k for g in groups for k in g.keys])
+        if self.topo.num_servers > 1:
+            log.info("IMerge worker %d: plan epoch %d, %d groups, %d keys, server load max/mean %.3f",
+                     self.topo.worker_rank, self.epoch, len(groups), sum(len(g.keys) for g in groups),
+                     placement.balance())
+
+    def _count_keys(self, plan: list[list[int]]) -> int:
+        count = 0
+        for members in plan:
+            total = sum(self.params[i].numel() for i in members)
+            size = self.params[members[0]].element_size() if members else 4
+            count += len(cut_keys(total, size, self.cfg.partition_bytes if self.cfg.traits.partition else None))
+        return count
+
+    # ------------------------------------------------------------------ backward
+    def _on_grad(self, param: torch.Tensor) -> None:
+        i = self._index[id(param)]
+        if self.backward_started is None:
+            self.backward_started = time.perf_counter()
+        view = self.views[i]
+        grad = param.grad
+        if grad is not view:
+            if grad.dtype != view.dtype or grad.is_sparse:
+                raise TypeError(f"IMerge worker {self.topo.worker_rank}: gradient of {self.names[i]!r} is "
+                                f"{'sparse ' if grad.is_sparse else ''}{grad.dtype}, expected dense {view.dtype}")
+            view.copy_(grad)
+            param.grad = view
+        self.counts[i] += 1
+        if self.counts[i] > self.passes:
+            raise IMergeUsageError(
+                f"IMerge worker {self.topo.worker_rank}: gradient of {self.names[i]!r} computed "
+                f"{self.counts[i]} times before step(); backward_passes_per_step={self.passes}. Call step() "
+                "(or synchronize()) after each group of backward passes, or raise backward_passes_per_step")
+        if self.counts[i] < self.passes:
+            return
+        self.ready_at[i] = time.perf_counter() - self.backward_started
+        g = self.group_of[i]
+        self.group_arrived[g] += 1
+        if self.immediate and self.group_arrived[g] == len(self.groups[g].members):
+            self._submit(self.groups[g])
+
+    def _submit(self, group: Group) -> None:
+        if self.comm is None:
+            group.done.set()
+            group.submitted = True
+            return
+        if group.flat.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            group.cuda_event = event
+        self.comm.submit(group, self.policy)
+
+    # ------------------------------------------------------------------ iteration end
+    @property
+    def in_flight(self) -> bool:
+        return any(g.submitted and not g.done.is_set() for g in self.groups)
+
+    @property
+    def pending_gradients(self) -> bool:
+        return any(self.counts)
+
+    def push_remaining(self) -> None:
+        """Submit every group not sent yet; tensors with no gradient go as zeros."""
+        for group in self.groups:
+            if group.submitted:
+                continue
+            for i in group.members:
+                if self.counts[i] == 0:
+                    self.views[i].zero_()
+            self._submit(group)
+
+    def wait_group(self, group: Group) -> None:
+        if self.comm is not None:
+            self.comm.wait(group)
+
+    def synchronize(self) -> None:
+        """Push what is left, wait for every result, and leave averaged gradients in ``.grad``."""
+        if not self.pending_gradients and not any(g.submitted for g in self.groups):
+            return  # nothing was computed since the last step
+        self.push_remaining()
+        for group in self.groups:
+            self.wait_group(group)
+        self.finish_iteration()
+
+    def finish_iteration(self) -> None:
+        self.without_gradient = set()
+        for i, p in enumerate(self.params):
+            if self.counts[i] == 0:
+                if self.topo.num_servers and bool(self.views[i].any()):
+                    p.grad = self.views[i]
+                else:
+                    self.without_gradient.add(i)
+        for group in self.groups:
+            group.submitted = False
+        self.counts = [0] * len(self.params)
+        self.group_arrived = [0] * len(self.groups)
+        self.backward_started = None
+        self.iteration += 1
+        for listener in list(self.listeners):
+            listener(self)
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers in place (gradients stay views into them)."""
+        if self.in_flight:
+            raise IMergeUsageError(
+                f"IMerge worker {self.topo.worker_rank}: zero_grad() called while gradients are being pushed "
+                "to the servers; call optimizer.step() or optimizer.synchronize() first")
+        if self.pending_gradients:
+            self.counts = [0] * len(self.params)
+            self.group_arrived = [0] * len(self.groups)
+            self.backward_started = None
+        for group in self.groups:
+            group.flat.zero_()
+        for p, view in zip(self.params, self.views):
+            if p.grad is not None and p.grad is not view:
+                p.grad = view
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

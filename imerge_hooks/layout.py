@@ -1,0 +1,100 @@
+"""Groups and keys: how flat gradient buffers are cut into keys and placed on servers."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from .transport import SUPPORTED_DTYPES, KeySpec
+
+
+@dataclass
+class Group:
+    """One planned group: a flat buffer that travels as one or more keys.
+
+    ``flat`` holds the gradients (parameters' ``.grad`` are views into it); ``result``
+    receives the summed keys from the servers; ``key_ranges`` are element ranges of ``flat``.
+    """
+
+    index: int
+    flat: torch.Tensor
+    result: torch.Tensor
+    keys: list[KeySpec]
+    key_ranges: list[tuple[int, int]]
+    priority: int
+    names: tuple[str, ...]
+    staging: torch.Tensor | None = None  # host copy of ``flat`` when it lives on a GPU
+    done: threading.Event = field(default_factory=threading.Event)
+    submitted: bool = False
+    cuda_event: object | None = None  # recorded when the gradients are ready (GPU only)
+
+    def send_view(self, start: int, end: int) -> torch.Tensor:
+        """The bytes to push for elements [start, end): host memory, contiguous."""
+        if self.staging is None:
+            return self.flat[start:end]
+        if self.cuda_event is not None:
+            self.cuda_event.synchronize()
+        self.staging[start:end].copy_(self.flat[start:end])
+        return self.staging[start:end]
+
+    def unpack(self, start: int, end: int, workers: int) -> None:
+        """Average the summed result into the gradient buffer."""
+        out = self.flat[start:end]
+        res = self.result[start:end]
+        if out.device == res.device:
+            torch.div(res, workers, out=out)
+        else:
+            out.copy_(res.div_(workers))
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def describe(self) -> str:
+        shown = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
+        return f"group {self.index} ({len(self.names)} tensors, {self.nbytes} bytes: {shown})"
+
+
+def dtype_name(dtype: torch.dtype, tensor_name: str, where: str) -> str:
+    try:
+        return SUPPORTED_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"IMerge: {where}: tensor {tensor_name!r} has dtype {dtype}; IMerge sums only "
+                        f"floating gradients ({', '.join(SUPPORTED_DTYPES.values())})") from None
+
+
+def cut_keys(numel: int, element_size: int, partition_bytes: int | None) -> list[tuple[int, int]]:
+    """Element ranges of at most ``partition_bytes`` each (one range when None)."""
+    if numel == 0:
+        return []
+    if partition_bytes is None:
+        return [(0, numel)]
+    per = max(1, partition_bytes // element_size)
+    return [(start, min(numel, start + per)) for start in range(0, numel, per)]
+
+
+class Placement:
+    """Round-robin placement of successive keys over servers, with per-server byte load."""
+
+    def __init__(self, num_servers: int) -> None:
+        self.num_servers = max(1, num_servers)
+        self.next = 0
+        self.load = [0] * self.num_servers
+
+    def place(self, nbytes: int) -> int:
+        server = self.next
+        self.next = (self.next + 1) % self.num_servers
+        self.load[server] += nbytes
+        return server
+
+    def balance(self) -> float:
+        """max/mean bytes per server (1.0 is perfect)."""
+        mean = sum(self.load) / len(self.load)
+        return max(self.load) / mean if mean else 1.0
+
+
+def names_in_range(spans: list[tuple[str, int, int]], start: int, end: int) -> tuple[str, ...]:
+    """Names of tensors whose [offset, offset+numel) overlaps [start, end)."""
+    return tuple(name for name, off, n in spans if off < end and off + n > start)

@@ -1,0 +1,122 @@
+"""Horovod-style ``DistributedOptimizer``: wraps any ``torch.optim`` optimizer in place."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from . import runtime
+from .config import Config
+from .engine import GradientEngine
+
+
+class _DistributedMixin:
+    """Methods added to the wrapped optimizer's class (it stays an instance of that class)."""
+
+    _imerge_engine: GradientEngine
+    _imerge_skip_sync: bool
+
+    def synchronize(self) -> None:
+        """Wait until every gradient is averaged over the workers (e.g. before clipping)."""
+        self._imerge_engine.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not synchronize (you called ``synchronize()`` already)."""
+        self._imerge_skip_sync = True
+        try:
+            yield
+        finally:
+            self._imerge_skip_sync = False
+
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self._imerge_engine
+        if not self._imerge_skip_sync:
+            engine.synchronize()
+        hidden = _hide_missing_gradients(engine)
+        try:
+            super().step()  # type: ignore[misc]
+        finally:
+            for p, grad in hidden:
+                p.grad = grad
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero gradients in place: they stay views into IMerge's flat buffers (no allocation per step).
+
+        ``set_to_none`` is accepted for compatibility; parameters that got no gradient on any
+        worker are still skipped by ``step()`` as if their gradient were None.
+        """
+        self._imerge_engine.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        runtime.flush_all()
+        return super().state_dict()  # type: ignore[misc]
+
+
+def _hide_missing_gradients(engine: GradientEngine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Parameters no worker produced a gradient for are skipped by step(), as torch does for None."""
+    hidden = []
+    for i in engine.without_gradient:
+        p = engine.params[i]
+        if p.grad is not None:
+            hidden.append((p, p.grad))
+            p.grad = None
+    return hidden
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _distributed_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(cls.__name__, (_DistributedMixin, cls), {"__module__": cls.__module__,
+                                                                     "__qualname__": cls.__qualname__})
+    return _CLASSES[cls]
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+                         schedule: str | None = None, backward_passes_per_step: int | None = None,
+                         **config: Any) -> torch.optim.Optimizer:
+    """Make ``optimizer`` average gradients over all workers through the parameter servers.
+
+    Returns the same object, now also an instance of a subclass of its class that adds
+    ``synchronize()`` and ``skip_synchronize()``; its ``state_dict()`` is the wrapped
+    optimizer's. ``schedule`` is one of ``imerge_hooks.SCHEDULES`` (default ``imerge``);
+    other keyword arguments are ``Config`` fields.
+    """
+    if isinstance(optimizer, _DistributedMixin):
+        raise ValueError("IMerge: this optimizer is already a DistributedOptimizer")
+    if not runtime.is_initialized():
+        runtime.init()
+    overrides = dict(config)
+    if schedule is not None:
+        overrides["schedule"] = schedule
+    if backward_passes_per_step is not None:
+        overrides["backward_passes_per_step"] = backward_passes_per_step
+    cfg = Config.from_env(runtime.config(), **overrides)
+    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"param.{i}", p) for i, p in enumerate(opt_params)]
+    else:
+        named = [(name, p) for name, p in named_parameters if p.requires_grad]
+        known = {id(p) for _, p in named}
+        missing = [i for i, p in enumerate(opt_params) if id(p) not in known]
+        if missing:
+            raise ValueError(f"IMerge: optimizer parameters at positions {missing[:5]} are not in "
+                             "named_parameters; pass model.named_parameters() of the model being optimised")
+        in_opt = {id(p) for p in opt_params}
+        named = [(name, p) for name, p in named if id(p) in in_opt]
+    engine = GradientEngine(named, cfg)
+    optimizer.__class__ = _distributed_class(type(optimizer))
+    optimizer._imerge_engine = engine
+    optimizer._imerge_skip_sync = False
+    return optimizer

@@ -1,0 +1,220 @@
+"""The communication thread: orders partitions, bounds bytes in flight, completes groups.
+
+Groups arrive from the engine as they become ready. Each is expanded into one task per key;
+tasks go out FIFO, or front layers first when ``priority`` is on (a partly sent group yields
+to a higher-priority one at partition granularity). With ``stagger`` worker r starts each
+group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
+(at least one task always is). Errors are kept and re-raised in the thread that waits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._mpi import MPI
+from .errors import IMergeError, IMergeTimeoutError
+from .layout import Group
+from .polling import Backoff
+from .transport import TAG_ERROR, as_mpi_buffer, key_tag
+
+log = logging.getLogger("imerge")
+
+
+@dataclass
+class SchedulePolicy:
+    priority: bool = False
+    stagger: bool = False
+    credit_bytes: int | None = None  # None: unlimited
+
+
+@dataclass
+class _Task:
+    group: Group
+    slot: int  # index into group.keys
+
+    @property
+    def nbytes(self) -> int:
+        return self.group.keys[self.slot].nbytes
+
+
+@dataclass
+class _InFlight:
+    task: _Task
+    recv: MPI.Request
+    send: MPI.Request
+    started: float
+    recv_done: bool = False
+    send_done: bool = False
+
+
+class CommThread:
+    """Owns every data-plane MPI call of one worker process."""
+
+    def __init__(self, comm: MPI.Comm, worker_rank: int, num_workers: int, num_servers: int,
+                 server_world_rank: Callable[[int], int], timeout_s: float,
+                 on_event: Callable[[str, Group, int, float, float], None] | None = None) -> None:
+        self.comm = comm
+        self.rank = worker_rank
+        self.num_workers = num_workers
+        self.num_servers = num_servers
+        self.server_world_rank = server_world_rank
+        self.timeout_s = timeout_s
+        self.on_event = on_event
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._remaining: dict[int, int] = {}  # id(group) -> keys not finished
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="imerge-comm", daemon=True)
+        self._stopped = threading.Event()
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def submit(self, group: Group, policy: SchedulePolicy) -> None:
+        self.raise_if_failed()
+        group.done.clear()
+        group.submitted = True
+        self._queue.put((group, policy))
+
+    def wait(self, group: Group, what: str = "") -> None:
+        """Block until ``group`` is complete (or raise the comm thread's error / a timeout)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not group.done.wait(0.05):
+            self.raise_if_failed()
+            if time.monotonic() > deadline:
+                raise IMergeTimeoutError(
+                    f"IMerge worker {self.rank}: {group.describe()} not complete after {self.timeout_s:.0f} s "
+                    f"{what}(servers: {sorted({k.server for k in group.keys})})")
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._error
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._stopped.wait(5.0)
+
+    # ------------------------------------------------------------------ thread body
+    def _run(self) -> None:
+        ready: list = []  # heap of (priority, seq, task) or (0, seq, task) for FIFO
+        inflight: list[_InFlight] = []
+        bytes_in_flight = 0
+        credit: int | None = None
+        backoff = Backoff()
+        last_check = time.monotonic()
+        try:
+            while True:
+                # 1. take new groups
+                block = not ready and not inflight
+                while True:
+                    try:
+                        item = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
+                    except queue.Empty:
+                        if block:
+                            continue
+                        break
+                    block = False
+                    if item is None:
+                        self._stopped.set()
+                        return
+                    group, policy = item
+                    credit = policy.credit_bytes
+                    self._expand(group, policy, ready)
+                # 2. start tasks within the credit window
+                progressed = False
+                while ready and (credit is None or not inflight or bytes_in_flight + ready[0][2].nbytes <= credit):
+                    _, _, task = heapq.heappop(ready)
+                    inflight.append(self._start(task))
+                    bytes_in_flight += task.nbytes
+                    progressed = True
+                # 3. complete what finished
+                still = []
+                for op in inflight:
+                    if not op.recv_done:
+                        op.recv_done = op.recv.Test()
+                    if not op.send_done:
+                        op.send_done = op.send.Test()
+                    if op.recv_done and op.send_done:
+                        self._finish(op)
+                        bytes_in_flight -= op.task.nbytes
+                        progressed = True
+                    else:
+                        still.append(op)
+                inflight = still
+                # 4. errors from servers and timeouts
+                now = time.monotonic()
+                if now - last_check > 0.2:
+                    last_check = now
+                    self._check_server_errors()
+                    for op in inflight:
+                        if now - op.started > self.timeout_s:
+                            spec = op.task.group.keys[op.task.slot]
+                            raise IMergeTimeoutError(
+                                f"IMerge worker {self.rank}: no result from server {spec.server} for "
+                                f"{spec.describe()} after {self.timeout_s:.0f} s; a worker or server may be "
+                                "dead or stuck (the server logs which workers it waits for)")
+                if progressed:
+                    backoff.reset()
+                elif inflight:
+                    backoff.idle()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+            if not isinstance(exc, IMergeError):
+                exc = IMergeError(f"IMerge worker {self.rank}: communication thread failed: {exc!r}")
+            self._error = exc
+            log.error("%s", exc)
+            self._stopped.set()
+
+    def _expand(self, group: Group, policy: SchedulePolicy, ready: list) -> None:
+        slots = list(range(len(group.keys)))
+        if policy.stagger and self.num_servers > 1 and len(slots) > 1:
+            want = self.rank % self.num_servers
+            first = next((i for i in slots if group.keys[i].server == want), 0)
+            slots = slots[first:] + slots[:first]
+        self._remaining[id(group)] = len(slots)
+        if not slots:
+            group.done.set()
+            return
+        for slot in slots:
+            prio = group.priority if policy.priority else 0
+            heapq.heappush(ready, (prio, next(self._seq), _Task(group, slot)))
+
+    def _start(self, task: _Task) -> _InFlight:
+        spec = task.group.keys[task.slot]
+        start, end = task.group.key_ranges[task.slot]
+        dest = self.server_world_rank(spec.server)
+        recv = self.comm.Irecv(as_mpi_buffer(task.group.result[start:end]), source=dest, tag=key_tag(spec.key))
+        send = self.comm.Isend(as_mpi_buffer(task.group.send_view(start, end)), dest=dest, tag=key_tag(spec.key))
+        now = time.monotonic()
+        if self.on_event is not None:
+            self.on_event("push", task.group, task.slot, now, 0.0)
+        return _InFlight(task, recv, send, now)
+
+    def _finish(self, op: _InFlight) -> None:
+        group = op.task.group
+        start, end = group.key_ranges[op.task.slot]
+        group.unpack(start, end, self.num_workers)
+        if self.on_event is not None:
+            self.on_event("done", group, op.task.slot, op.started, time.monotonic())
+        left = self._remaining[id(group)] - 1
+        self._remaining[id(group)] = left
+        if left == 0:
+            del self._remaining[id(group)]
+            group.done.set()
+
+    def _check_server_errors(self) -> None:
+        status = MPI.Status()
+        while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_ERROR, status):
+            report = self.comm.recv(source=status.Get_source(), tag=TAG_ERROR)
+            raise IMergeError(report.get("message", str(report)))
+

@@ -1,0 +1,246 @@
+"""The parameter server: a streaming sum per key.
+
+Run implicitly by ``imerge_hooks.init()`` on the last ``num_servers`` ranks, or as its own
+program in an MPMD launch::
+
+    mpiexec -n 4 python train.py : -n 2 python -m imerge_hooks.server
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ._mpi import MPI
+from .config import Config
+from .polling import Backoff
+from .topology import Topology
+from .transport import (DTYPE_BY_NAME, KEY_TAG_BASE, TAG_CONTROL, TAG_ERROR, TAG_REPLY, KeySpec,
+                        as_mpi_buffer, table_from_wire)
+
+log = logging.getLogger("imerge")
+
+
+@dataclass
+class _KeyState:
+    spec: KeySpec
+    wire: torch.Tensor  # receive scratch, wire dtype
+    acc: torch.Tensor  # running sum (float32 for 16-bit wire types)
+    out: torch.Tensor  # result in wire dtype (may alias acc)
+    count: int = 0
+    arrived: set[int] = field(default_factory=set)
+    first_push_at: float = 0.0
+    warned: bool = False
+    sends: list = field(default_factory=list)
+
+
+class Server:
+    """Sums the pushes of all workers per key and sends every worker the result."""
+
+    def __init__(self, topology: Topology, config: Config) -> None:
+        self.topo = topology
+        self.cfg = config
+        self.comm = topology.data_comm
+        self.index = topology.server_index
+        self.workers = topology.num_workers
+        self.keys: dict[int, _KeyState] = {}
+        self.epoch = -1
+        self._registrations: dict[int, dict] = {}
+        self.pushes = 0
+        self.bytes_in = 0
+
+    # ------------------------------------------------------------------ main loop
+    def serve(self, until: str = "shutdown") -> str:
+        """Serve until every worker sent ``stage_end`` (returns "stage") or ``shutdown``."""
+        done: dict[str, set[int]] = {"stage_end": set(), "shutdown": set()}
+        backoff = Backoff()
+        status = MPI.Status()
+        last_stall_check = time.monotonic()
+        while True:
+            msg = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            if msg is None:
+                self._progress_sends()
+                now = time.monotonic()
+                if now - last_stall_check > 1.0:
+                    self._check_stalls(now)
+                    last_stall_check = now
+                backoff.idle()
+                continue
+            backoff.reset()
+            source, tag = status.Get_source(), status.Get_tag()
+            if tag >= KEY_TAG_BASE:
+                self._on_push(msg, source, tag - KEY_TAG_BASE, status.Get_count(MPI.BYTE))
+                continue
+            raw = bytearray(status.Get_count(MPI.BYTE))
+            msg.Recv([raw, MPI.BYTE])
+            request = MPI.pickle.loads(raw)
+            if tag != TAG_CONTROL or not isinstance(request, dict):
+                log.error("IMerge server %d: unexpected message tag %d from rank %d", self.index, tag, source)
+                continue
+            op = request.get("op")
+            if op == "register":
+                self._on_register(source, request)
+            elif op in done:
+                done[op].add(source)
+                if op == "shutdown":
+                    done["stage_end"].add(source)
+                if len(done["shutdown"]) == self.workers:
+                    self._finish("shutdown")
+                    return "shutdown"
+                if until == "stage" and len(done["stage_end"]) == self.workers:
+                    self._finish("stage")
+                    return "stage"
+            else:
+                log.error("IMerge server %d: unknown control op %r from rank %d", self.index, op, source)
+
+    def _finish(self, why: str) -> None:
+        self._wait_sends()
+        partial = [k for k in self.keys.values() if k.count]
+        for k in partial:
+            missing = sorted(set(range(self.workers)) - k.arrived)
+            log.error("IMerge server %d: %s while %s still waits for worker(s) %s",
+                      self.index, why, k.spec.describe(), missing)
+
+    # ------------------------------------------------------------------ registration
+    def _on_register(self, source: int, request: dict) -> None:
+        self._registrations[source] = request
+        if len(self._registrations) < self.workers:
+            return
+        regs, self._registrations = self._registrations, {}
+        error = _compare_tables(regs, self.index)
+        if error is None:
+            epochs = {r["epoch"] for r in regs.values()}
+            if len(epochs) != 1:
+                error = f"IMerge server {self.index}: workers registered different plan epochs {sorted(epochs)}"
+        if error is not None:
+            log.error("%s", error)
+            for worker in regs:
+                self.comm.send({"op": "error", "message": error}, dest=worker, tag=TAG_REPLY)
+            return
+        self._wait_sends()
+        table = table_from_wire(regs[0]["keys"])
+        self.epoch = regs[0]["epoch"]
+        self.keys = {k.key: self._make_state(k) for k in table if k.server == self.index}
+        for worker in regs:
+            self.comm.send({"op": "ack", "epoch": self.epoch, "server": self.index}, dest=worker, tag=TAG_REPLY)
+        log.debug("IMerge server %d: plan epoch %d with %d keys", self.index, self.epoch, len(self.keys))
+
+    @staticmethod
+    def _make_state(spec: KeySpec) -> _KeyState:
+        dtype = DTYPE_BY_NAME[spec.dtype]
+        numel = spec.nbytes // torch.empty((), dtype=dtype).element_size()
+        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        wire = torch.empty(numel, dtype=dtype)
+        acc = torch.empty(numel, dtype=acc_dtype)
+        out = acc if acc_dtype == dtype else torch.empty(numel, dtype=dtype)
+        return _KeyState(spec, wire, acc, out)
+
+    # ------------------------------------------------------------------ data
+    def _on_push(self, msg: MPI.Message, source: int, key: int, nbytes: int) -> None:
+        state = self.keys.get(key)
+        problem = None
+        if state is None:
+            problem = (f"IMerge server {self.index}: worker {source} pushed key {key}, which is not in plan "
+                       f"epoch {self.epoch} (known keys: {sorted(self.keys)[:8]}...)")
+        elif nbytes != state.spec.nbytes:
+            problem = (f"IMerge server {self.index}: worker {source} pushed {nbytes} bytes for "
+                       f"{state.spec.describe()}, expected {state.spec.nbytes}")
+        elif source in state.arrived:
+            problem = (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} twice "
+                       "in one round")
+        if problem is not None:
+            msg.Recv([bytearray(max(nbytes, 1)), MPI.BYTE])
+            log.error("%s", problem)
+            for worker in range(self.workers):
+                self.comm.send({"op": "error", "message": problem}, dest=worker, tag=TAG_ERROR)
+            return
+        if state.count == 0:
+            self._wait_key_sends(state)
+            state.first_push_at = time.monotonic()
+            state.warned = False
+            if state.acc.dtype == state.wire.dtype:
+                msg.Recv(as_mpi_buffer(state.acc))
+            else:
+                msg.Recv(as_mpi_buffer(state.wire))
+                state.acc.copy_(state.wire)
+        else:
+            msg.Recv(as_mpi_buffer(state.wire))
+            state.acc.add_(state.wire)
+        state.count += 1
+        state.arrived.add(source)
+        self.pushes += 1
+        self.bytes_in += nbytes
+        if state.count == self.workers:
+            if state.out is not state.acc:
+                state.out.copy_(state.acc)
+            buf = as_mpi_buffer(state.out)
+            state.sends = [self.comm.Isend(buf, dest=w, tag=KEY_TAG_BASE + key) for w in range(self.workers)]
+            state.count = 0
+            state.arrived = set()
+
+    def _wait_key_sends(self, state: _KeyState) -> None:
+        if not state.sends:
+            return
+        deadline = time.monotonic() + self.cfg.timeout_s
+        backoff = Backoff()
+        while not MPI.Request.Testall(state.sends):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"IMerge server {self.index}: result of {state.spec.describe()} was not "
+                                   f"taken by every worker within {self.cfg.timeout_s} s")
+            backoff.idle()
+        state.sends = []
+
+    def _progress_sends(self) -> None:
+        for state in self.keys.values():
+            if state.sends and MPI.Request.Testall(state.sends):
+                state.sends = []
+
+    def _wait_sends(self) -> None:
+        for state in self.keys.values():
+            self._wait_key_sends(state)
+
+    def _check_stalls(self, now: float) -> None:
+        for state in self.keys.values():
+            if state.count and not state.warned and now - state.first_push_at > self.cfg.stall_warning_s:
+                state.warned = True
+                missing = sorted(set(range(self.workers)) - state.arrived)
+                log.warning("IMerge server %d: %s has waited %.0f s for worker(s) %s (tensors: %s)",
+                            self.index, state.spec.describe(), now - state.first_push_at, missing,
+                            ", ".join(state.spec.names))
+
+
+def _compare_tables(regs: dict[int, dict], server: int) -> str | None:
+    """Compare every worker's key table with worker 0's; describe the first difference."""
+    ref_worker = min(regs)
+    ref = table_from_wire(regs[ref_worker]["keys"])
+    for worker in sorted(regs):
+        if worker == ref_worker:
+            continue
+        mine = table_from_wire(regs[worker]["keys"])
+        for a, b in zip(ref, mine):
+            if (a.nbytes, a.dtype, a.names) != (b.nbytes, b.dtype, b.names):
+                return (f"IMerge: model mismatch detected by server {server}: worker {worker} has "
+                        f"{b.describe()} but worker {ref_worker} has {a.describe()}; every worker must build "
+                        "the same model (same parameter names, shapes and dtypes, in the same order)")
+        if len(ref) != len(mine):
+            longer, which = (ref, ref_worker) if len(ref) > len(mine) else (mine, worker)
+            extra = longer[min(len(ref), len(mine))]
+            return (f"IMerge: model mismatch detected by server {server}: worker {worker} has {len(mine)} keys "
+                    f"but worker {ref_worker} has {len(ref)}; only worker {which} has {extra.describe()}")
+    return None
+
+
+def main() -> None:
+    """Entry point of ``python -m imerge_hooks.server`` (MPMD launch): serve, then exit 0."""
+    from . import runtime
+
+    runtime.declare_server_program()
+    runtime.init()
+    raise SystemExit(0)  # init() does not return on a server; this is a safety net
+
+
+if __name__ == "__main__":
+    main()

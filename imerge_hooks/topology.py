@@ -1,0 +1,92 @@
+"""MPI world -> workers + servers, the communicators each role uses, and key placement."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from ._mpi import MPI
+from .errors import IMergeConfigError
+
+
+@dataclass
+class Topology:
+    """Who is who. The last ``num_servers`` ranks of COMM_WORLD are servers.
+
+    ``data_comm`` is a private duplicate of COMM_WORLD for pushes, results and control
+    messages, so user MPI traffic on COMM_WORLD can never match IMerge's messages.
+    ``worker_comm`` spans the workers only (MPI_COMM_NULL on servers).
+    """
+
+    world_rank: int
+    world_size: int
+    num_servers: int
+    data_comm: MPI.Comm
+    worker_comm: MPI.Comm
+    local_rank: int
+    local_size: int
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size - self.num_servers
+
+    @property
+    def is_server(self) -> bool:
+        return self.world_rank >= self.num_workers
+
+    @property
+    def worker_rank(self) -> int:
+        if self.is_server:
+            raise RuntimeError(f"IMerge: world rank {self.world_rank} is a server, it has no worker rank")
+        return self.world_rank
+
+    @property
+    def server_index(self) -> int:
+        return self.world_rank - self.num_workers
+
+    def server_world_rank(self, server: int) -> int:
+        return self.num_workers + server
+
+    @property
+    def worker_world_ranks(self) -> list[int]:
+        return list(range(self.num_workers))
+
+
+def build_topology(num_servers: int) -> Topology:
+    """Split COMM_WORLD into roles (collective over COMM_WORLD)."""
+    world = MPI.COMM_WORLD
+    size, rank = world.Get_size(), world.Get_rank()
+    if num_servers < 0:
+        raise IMergeConfigError(f"IMerge: num_servers must be >= 0, got {num_servers}")
+    if num_servers >= size and size > 0 and not (size == 1 and num_servers == 0):
+        raise IMergeConfigError(
+            f"IMerge: num_servers={num_servers} but the MPI world has only {size} rank(s); at least one "
+            f"rank must be a worker. Launch more ranks (mpiexec -n {num_servers + 1} or more) or lower "
+            "IMERGE_NUM_SERVERS.")
+    workers = size - num_servers
+    if num_servers == 0 and workers > 1:
+        raise IMergeConfigError(
+            f"IMerge: {workers} workers were launched but no parameter server. Set IMERGE_NUM_SERVERS "
+            f"(e.g. `mpiexec -n {workers + 1} -env IMERGE_NUM_SERVERS 1 python train.py` with MPICH, "
+            f"`mpirun -np {workers + 1} -x IMERGE_NUM_SERVERS=1 ...` with Open MPI) or pass "
+            "num_servers to imerge_hooks.init().")
+    data_comm = world.Dup()
+    data_comm.Set_name("imerge-data")
+    is_server = rank >= workers
+    worker_comm = world.Split(MPI.UNDEFINED if is_server else 0, rank)
+    if is_server:
+        local_rank, local_size = 0, 1
+    else:
+        node = worker_comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
+        local_rank, local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+    return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size)
+
+
+def server_for_key(key: int, num_servers: int) -> int:
+    """Round-robin placement of keys over servers."""
+    return key % num_servers
+
+
+def worker_hostnames(topology: Topology) -> list[str]:
+    return topology.worker_comm.allgather(socket.gethostname())

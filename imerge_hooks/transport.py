@@ -1,0 +1,68 @@
+"""The wire protocol over mpi4py.
+
+All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
+
+* ``TAG_CONTROL`` worker -> server, pickled dict: ``register`` (a numbered key table),
+  ``stage_end``, ``shutdown``.
+* ``TAG_REPLY`` server -> worker, pickled dict: ``ack`` / ``error`` answers to ``register``.
+* ``TAG_ERROR`` server -> worker, pickled dict: an asynchronous error (bad push, stall).
+* ``KEY_TAG_BASE + key``: raw bytes of one key, worker -> server (push) and the summed
+  result server -> worker (pull). The worker posts the ``Irecv`` for the result before the
+  ``Isend`` of the push. One outstanding push per (worker, key); MPI's non-overtaking rule
+  keeps successive iterations of a key apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._mpi import MPI
+
+TAG_CONTROL = 1
+TAG_REPLY = 2
+TAG_ERROR = 3
+KEY_TAG_BASE = 16
+
+SUPPORTED_DTYPES = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+DTYPE_BY_NAME = {name: dtype for dtype, name in SUPPORTED_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One key: a contiguous partition of one group's flat gradient buffer."""
+
+    key: int
+    nbytes: int
+    dtype: str  # dtype on the wire
+    server: int
+    names: tuple[str, ...]  # the tensors whose gradients (or parts of them) it carries
+
+    def describe(self) -> str:
+        shown = ", ".join(self.names[:4]) + (f", ... ({len(self.names)} tensors)" if len(self.names) > 4 else "")
+        return f"key {self.key} ({self.nbytes} bytes {self.dtype}: {shown})"
+
+
+def key_tag(key: int) -> int:
+    return KEY_TAG_BASE + key
+
+
+def as_mpi_buffer(tensor: torch.Tensor) -> list:
+    """A contiguous CPU tensor as an MPI byte buffer, zero-copy (works for bfloat16 too)."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("IMerge internal: MPI buffers must be contiguous CPU tensors")
+    return [tensor.view(torch.uint8).numpy(), MPI.BYTE]
+
+
+def table_to_wire(keys: list[KeySpec]) -> list[tuple]:
+    return [(k.key, k.nbytes, k.dtype, k.server, k.names) for k in keys]
+
+
+def table_from_wire(rows: list[tuple]) -> list[KeySpec]:
+    return [KeySpec(key, nbytes, dtype, server, tuple(names)) for key, nbytes, dtype, server, names in rows]
