@@ -1,0 +1,34 @@
+# The two commands: `make demo` and `make test`. Both create .venv and install everything first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.imerge-installed
+WORKERS ?= 3
+SERVERS ?= 1
+
+.PHONY: demo test venv lint bench-transport clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements-dev.txt setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip >/dev/null
+	$(PY) -m pip install -r requirements-dev.txt
+	$(PY) -m pip install --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 IMERGE_NUM_SERVERS=$(SERVERS) $(VENV)/bin/mpiexec -n $$(( $(WORKERS) + $(SERVERS) )) \
+		$(PY) examples/lightning_digits.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check imerge_hooks lightning_plugin examples benchmarks tests
+
+bench-transport: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/mpiexec -n 2 $(PY) benchmarks/transport.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

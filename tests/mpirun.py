@@ -1,0 +1,72 @@
+"""The one helper every multi-process test uses: run ``mpiexec -n N`` with a timeout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class MPIRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    ranks: dict[int, str]  # world rank -> its stdout lines tagged "@<rank> " (tag removed)
+
+    def check(self) -> MPIRun:
+        if self.returncode != 0:
+            raise AssertionError(f"mpiexec exited {self.returncode}\n--- stdout ---\n{self.stdout[-6000:]}"
+                                 f"\n--- stderr ---\n{self.stderr[-6000:]}")
+        return self
+
+    def lines(self, rank: int, prefix: str) -> list[str]:
+        return [line[len(prefix):].strip() for line in self.ranks.get(rank, "").splitlines()
+                if line.startswith(prefix)]
+
+
+def mpiexec_path() -> str:
+    exe = Path(sys.executable).parent / "mpiexec"
+    return str(exe) if exe.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+
+def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None = None, timeout: float = 120,
+            env: dict[str, str] | None = None) -> MPIRun:
+    """Run ``python script args`` on ``n`` ranks; return code, output and each rank's stdout.
+
+    Kills the whole job (process group) on timeout and raises, so a hang fails fast.
+    """
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if servers is not None:
+        full_env["IMERGE_NUM_SERVERS"] = str(servers)
+    if env:
+        full_env.update(env)
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+                            cwd=str(REPO), start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"mpiexec -n {n} {script} timed out after {timeout} s\n--- stdout ---\n{out[-4000:]}"
+                             f"\n--- stderr ---\n{err[-4000:]}") from None
+    ranks: dict[int, list[str]] = {}
+    for line in out.splitlines():  # scripts tag their lines "@<world rank> ..." (see tests/scripts/common.py)
+        if line.startswith("@"):
+            tag, _, rest = line.partition(" ")
+            try:
+                rank = int(tag[1:])
+            except ValueError:
+                continue
+            ranks.setdefault(rank, []).append(rest)
+    return MPIRun(proc.returncode, out, err, {r: "\n".join(v) for r, v in ranks.items()})

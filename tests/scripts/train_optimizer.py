@@ -1,0 +1,51 @@
+"""Train SmallCNN with imerge_hooks.DistributedOptimizer (or DDP over imerge's worker group).
+
+Usage: python train_optimizer.py OUT --schedule wfbp --optimizer sgd --steps 5 [--unused] [--passes 2] [--ddp]
+Worker 0 saves the final state_dict to OUT.
+"""
+
+import argparse
+
+import torch
+from common import batch, loss_fn, make_model, make_optimizer, say, shard
+
+import imerge_hooks as imh
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--schedule", default="wfbp")
+parser.add_argument("--optimizer", default="sgd")
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--passes", type=int, default=1)
+parser.add_argument("--unused", action="store_true")
+parser.add_argument("--ddp", action="store_true", help="reference: torch DDP (gloo all-reduce) instead")
+parser.add_argument("--scheduler", action="store_true", help="StepLR stepped every iteration")
+parser.add_argument("--profile-steps", type=int, default=None)
+args = parser.parse_args()
+
+imh.init()
+rank, world = imh.rank(), imh.size()
+model = make_model(args.unused)
+if args.ddp:
+    net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group())
+    opt = make_optimizer(args.optimizer, model.parameters())
+else:
+    net = model
+    opt = imh.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()),
+                                   named_parameters=model.named_parameters(), schedule=args.schedule,
+                                   backward_passes_per_step=args.passes, profile_steps=args.profile_steps)
+    imh.broadcast_parameters(model.state_dict(), root_rank=0)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
+for step in range(args.steps):
+    opt.zero_grad()
+    x, y = batch(step)
+    x, y = shard(x, rank, world), shard(y, rank, world)
+    for p in range(args.passes):
+        loss = loss_fn(net, shard(x, p, args.passes), shard(y, p, args.passes)).div(args.passes)
+        loss.backward()
+    opt.step()
+    if sched:
+        sched.step()
+if rank == 0:
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+say(rank, "done", args.schedule)

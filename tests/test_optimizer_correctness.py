@@ -1,0 +1,55 @@
+"""DistributedOptimizer gives the same parameters as single-process training on the full batch."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from common import reference_train
+from mpirun import run_mpi
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_optimizer.py"
+TOL = 1e-5
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def train(tmp_path, workers, servers, *args, timeout=120):
+    out = tmp_path / "final.pt"
+    run_mpi(SCRIPT, workers + servers, str(out), *args, servers=servers, timeout=timeout).check()
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("schedule", ["default", "wfbp"])
+@pytest.mark.parametrize("workers,servers", [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2)])
+def test_sgd_and_adam_match_full_batch(tmp_path, schedule, workers, servers):
+    for opt in ("sgd", "adam"):
+        got = train(tmp_path, workers, servers, "--schedule", schedule, "--optimizer", opt)
+        assert max_diff(got, reference_train(opt, 5)) <= TOL, (opt, schedule, workers, servers)
+
+
+def test_single_process_without_servers(tmp_path):
+    got = train(tmp_path, 1, 0, "--schedule", "wfbp", "--optimizer", "adam")
+    assert max_diff(got, reference_train("adam", 5)) <= TOL
+
+
+def test_matches_torch_ddp(tmp_path):
+    ddp = train(tmp_path, 2, 1, "--ddp", "--optimizer", "sgd")
+    ours = train(tmp_path, 2, 1, "--schedule", "wfbp", "--optimizer", "sgd")
+    assert max_diff(ddp, ours) <= TOL
+    assert max_diff(ddp, reference_train("sgd", 5)) <= TOL
+
+
+def test_unused_parameter(tmp_path):
+    got = train(tmp_path, 2, 1, "--schedule", "wfbp", "--optimizer", "sgd", "--unused")
+    ref = reference_train("sgd", 5, unused=True)
+    assert max_diff(got, ref) <= TOL
+    # The unused layer never moved (weight decay would have moved it had it been stepped).
+    assert torch.equal(got["spare.weight"], reference_train("sgd", 0, unused=True)["spare.weight"])
+
+
+def test_backward_passes_per_step(tmp_path):
+    got = train(tmp_path, 2, 1, "--schedule", "wfbp", "--optimizer", "sgd", "--passes", "2")
+    assert max_diff(got, reference_train("sgd", 5, passes=1)) <= TOL
