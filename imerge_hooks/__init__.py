@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .config import SCHEDULES, Config
+from .ddp import IMergeHookState, ps_hook
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .optimizer import DistributedOptimizer
 from .runtime import init, shutdown, worker_group
@@ -64,7 +65,7 @@ def num_servers() -> int:
 
 __all__ = [
     "SCHEDULES", "Config", "DistributedOptimizer", "IMergeConfigError", "IMergeError", "IMergeMismatchError",
-    "IMergeTimeoutError", "IMergeUsageError", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "init", "is_server", "local_rank", "local_size", "num_servers", "rank", "shutdown",
+    "IMergeHookState", "IMergeTimeoutError", "IMergeUsageError", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "init", "is_server", "ps_hook", "local_rank", "local_size", "num_servers", "rank", "shutdown",
     "size", "worker_group",
 ]

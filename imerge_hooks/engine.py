@@ -125,8 +125,7 @@ class GradientEngine:
                                     names_in_range(spans, start, end)))
             groups.append(Group(index=gi, flat=flat, result=result, keys=keys, key_ranges=ranges,
                                 priority=min(members), names=tuple(self.names[i] for i in members),
-                                staging=staging))
-            groups[-1].members = list(members)
+                                staging=staging, members=list(members)))
         self.groups = groups
         self.views = views
         self.group_arrived = [0] * len(groups)

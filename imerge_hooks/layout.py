@@ -29,6 +29,8 @@ class Group:
     done: threading.Event = field(default_factory=threading.Event)
     submitted: bool = False
     cuda_event: object | None = None  # recorded when the gradients are ready (GPU only)
+    members: list[int] = field(default_factory=list)  # parameter indices (engine) or bucket index (DDP)
+    callbacks: list = field(default_factory=list)  # one-shot fn(error_or_None), run by the comm thread
 
     def send_view(self, start: int, end: int) -> torch.Tensor:
         """The bytes to push for elements [start, end): host memory, contiguous."""

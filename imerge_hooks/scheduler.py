@@ -70,6 +70,7 @@ class CommThread:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._remaining: dict[int, int] = {}  # id(group) -> keys not finished
+        self._active: dict[int, Group] = {}  # id(group) -> group, while submitted and not done
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._run, name="imerge-comm", daemon=True)
         self._stopped = threading.Event()
@@ -173,6 +174,8 @@ class CommThread:
                 exc = IMergeError(f"IMerge worker {self.rank}: communication thread failed: {exc!r}")
             self._error = exc
             log.error("%s", exc)
+            for group in list(self._active.values()):
+                _run_callbacks(group, exc)
             self._stopped.set()
 
     def _expand(self, group: Group, policy: SchedulePolicy, ready: list) -> None:
@@ -182,8 +185,9 @@ class CommThread:
             first = next((i for i in slots if group.keys[i].server == want), 0)
             slots = slots[first:] + slots[:first]
         self._remaining[id(group)] = len(slots)
+        self._active[id(group)] = group
         if not slots:
-            group.done.set()
+            self._complete(group)
             return
         for slot in slots:
             prio = group.priority if policy.priority else 0
@@ -209,8 +213,13 @@ class CommThread:
         left = self._remaining[id(group)] - 1
         self._remaining[id(group)] = left
         if left == 0:
-            del self._remaining[id(group)]
-            group.done.set()
+            self._complete(group)
+
+    def _complete(self, group: Group) -> None:
+        del self._remaining[id(group)]
+        del self._active[id(group)]
+        group.done.set()
+        _run_callbacks(group, None)
 
     def _check_server_errors(self) -> None:
         status = MPI.Status()
@@ -218,3 +227,11 @@ class CommThread:
             report = self.comm.recv(source=status.Get_source(), tag=TAG_ERROR)
             raise IMergeError(report.get("message", str(report)))
 
+
+def _run_callbacks(group: Group, error: BaseException | None) -> None:
+    callbacks, group.callbacks = group.callbacks, []
+    for fn in callbacks:
+        try:
+            fn(error)
+        except Exception:  # noqa: BLE001 - a user callback must not kill the comm thread
+            log.exception("IMerge: completion callback of %s failed", group.describe())

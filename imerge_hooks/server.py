@@ -50,6 +50,7 @@ class Server:
         self.epoch = -1
         self._registrations: dict[int, dict] = {}
         self.pushes = 0
+        self._orphans: list = []  # (buffer, send requests) of keys dropped by a new plan epoch
         self.bytes_in = 0
 
     # ------------------------------------------------------------------ main loop
@@ -120,10 +121,13 @@ class Server:
             for worker in regs:
                 self.comm.send({"op": "error", "message": error}, dest=worker, tag=TAG_REPLY)
             return
-        self._wait_sends()
         table = table_from_wire(regs[0]["keys"])
         self.epoch = regs[0]["epoch"]
-        self.keys = {k.key: self._make_state(k) for k in table if k.server == self.index}
+        old = self.keys
+        self._orphans += [(st.out, st.sends) for key, st in old.items()
+                          if st.sends and all(k.key != key for k in table)]
+        self.keys = {k.key: old[k.key] if k.key in old and old[k.key].spec == k else self._make_state(k)
+                     for k in table if k.server == self.index}
         for worker in regs:
             self.comm.send({"op": "ack", "epoch": self.epoch, "server": self.index}, dest=worker, tag=TAG_REPLY)
         log.debug("IMerge server %d: plan epoch %d with %d keys", self.index, self.epoch, len(self.keys))
@@ -194,6 +198,7 @@ class Server:
         state.sends = []
 
     def _progress_sends(self) -> None:
+        self._orphans = [(buf, reqs) for buf, reqs in self._orphans if not MPI.Request.Testall(reqs)]
         for state in self.keys.values():
             if state.sends and MPI.Request.Testall(state.sends):
                 state.sends = []

@@ -1,0 +1,45 @@
+"""Train SmallCNN under torch DDP, with or without imerge_hooks.ps_hook.
+
+Usage: python train_ddp_hook.py OUT [--hook] [--schedule wfbp] [--no-sync-every 2]
+"""
+
+import argparse
+import contextlib
+
+import torch
+from common import batch, loss_fn, make_model, make_optimizer, say, shard
+
+import imerge_hooks as imh
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--hook", action="store_true")
+parser.add_argument("--schedule", default="wfbp")
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--bucket-cap-mb", type=float, default=0.01, help="small buckets: several per model")
+parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step, using no_sync()")
+args = parser.parse_args()
+
+imh.init()
+rank, world = imh.rank(), imh.size()
+model = make_model()
+ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
+                                                bucket_cap_mb=args.bucket_cap_mb)
+if args.hook:
+    ddp.register_comm_hook(imh.IMergeHookState(schedule=args.schedule, named_parameters=model.named_parameters()),
+                           imh.ps_hook)
+opt = make_optimizer("sgd", model.parameters())
+for step in range(args.steps):
+    opt.zero_grad()
+    x, y = batch(step)
+    x, y = shard(x, rank, world), shard(y, rank, world)
+    for micro in range(args.accumulate):
+        last = micro == args.accumulate - 1
+        ctx = contextlib.nullcontext() if last else ddp.no_sync()
+        with ctx:
+            loss_fn(ddp, shard(x, micro, args.accumulate), shard(y, micro, args.accumulate)) \
+                .div(args.accumulate).backward()
+    opt.step()
+if rank == 0:
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+say(rank, "done")

@@ -1,0 +1,34 @@
+"""The DDP comm hook gives the same parameters as DDP's own all-reduce."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from common import reference_train
+from mpirun import run_mpi
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_ddp_hook.py"
+TOL = 1e-5
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def train(tmp_path, name, workers, servers, *args):
+    out = tmp_path / f"{name}.pt"
+    run_mpi(SCRIPT, workers + servers, str(out), *args, servers=servers, timeout=120).check()
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("workers,servers", [(2, 1), (2, 2), (3, 1), (3, 2)])
+def test_hook_matches_ddp_allreduce(tmp_path, workers, servers):
+    ref = train(tmp_path, "allreduce", workers, servers)
+    ours = train(tmp_path, "hook", workers, servers, "--hook")
+    assert max_diff(ours, ref) <= TOL
+    assert max_diff(ours, reference_train("sgd", 5)) <= TOL
+
+
+def test_hook_with_no_sync_accumulation_and_priority(tmp_path):
+    ours = train(tmp_path, "hook", 2, 2, "--hook", "--accumulate", "2", "--schedule", "priority")
+    assert max_diff(ours, reference_train("sgd", 5)) <= TOL
