@@ -11,6 +11,7 @@ import torch
 from . import runtime
 from .config import Config
 from .engine import GradientEngine
+from .layout import dtype_name
 
 
 class _DistributedMixin:
@@ -107,7 +108,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if named_parameters is None:
         named = [(f"param.{i}", p) for i, p in enumerate(opt_params)]
     else:
-        named = [(name, p) for name, p in named_parameters if p.requires_grad]
+        named = list(named_parameters)
         known = {id(p) for _, p in named}
         missing = [i for i, p in enumerate(opt_params) if id(p) not in known]
         if missing:
@@ -115,6 +116,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                              "named_parameters; pass model.named_parameters() of the model being optimised")
         in_opt = {id(p) for p in opt_params}
         named = [(name, p) for name, p in named if id(p) in in_opt]
+    for name, p in named:
+        dtype_name(p.dtype, name, f"worker {runtime.topology().worker_rank}")
+    named = [(name, p) for name, p in named if p.requires_grad]  # frozen: never get a gradient
     engine = GradientEngine(named, cfg)
     optimizer.__class__ = _distributed_class(type(optimizer))
     optimizer._imerge_engine = engine

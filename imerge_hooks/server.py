@@ -227,13 +227,13 @@ def _compare_tables(regs: dict[int, dict], server: int) -> str | None:
         mine = table_from_wire(regs[worker]["keys"])
         for a, b in zip(ref, mine):
             if (a.nbytes, a.dtype, a.names) != (b.nbytes, b.dtype, b.names):
-                return (f"IMerge: model mismatch detected by server {server}: worker {worker} has "
+                return (f"model mismatch detected by server {server}: worker {worker} has "
                         f"{b.describe()} but worker {ref_worker} has {a.describe()}; every worker must build "
                         "the same model (same parameter names, shapes and dtypes, in the same order)")
         if len(ref) != len(mine):
             longer, which = (ref, ref_worker) if len(ref) > len(mine) else (mine, worker)
             extra = longer[min(len(ref), len(mine))]
-            return (f"IMerge: model mismatch detected by server {server}: worker {worker} has {len(mine)} keys "
+            return (f"model mismatch detected by server {server}: worker {worker} has {len(mine)} keys "
                     f"but worker {ref_worker} has {len(ref)}; only worker {which} has {extra.describe()}")
     return None
 

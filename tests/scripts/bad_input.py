@@ -1,0 +1,39 @@
+"""Misuse cases; each must end with a clear exception on the affected workers, never a hang.
+
+Usage: python bad_input.py CASE   (CASE: too_many_servers | mismatch | int_param | zero_grad_in_flight)
+"""
+
+import sys
+
+import torch
+from common import say
+
+import imerge_hooks as imh
+
+case = sys.argv[1]
+try:
+    if case == "too_many_servers":
+        imh.init(num_servers=2)
+    imh.init()
+    rank = imh.rank()
+    if case == "mismatch":
+        width = 8 if rank == 0 else 9  # worker 1 builds a different model
+        model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
+        imh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                 named_parameters=model.named_parameters())
+    elif case == "int_param":
+        weight = torch.nn.Parameter(torch.ones(3))
+        counts = torch.zeros(3, dtype=torch.int64)
+        imh.DistributedOptimizer(torch.optim.SGD([weight, counts], lr=0.1), named_parameters=[("weight", weight),
+                                                                                      ("counts", counts)])
+    elif case == "zero_grad_in_flight":
+        model = torch.nn.Linear(4, 2)
+        opt = imh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), schedule="wfbp")
+        model(torch.ones(1, 4)).sum().backward()
+        opt.zero_grad()
+        opt.step()
+    say(0, "NO ERROR")
+except Exception as exc:  # noqa: BLE001
+    say(0, f"ERROR {type(exc).__name__}: {exc}".replace("\n", " "))
+    sys.exit(3)

@@ -1,0 +1,46 @@
+"""Bad input gets a clear exception that says what is wrong and where; nothing hangs."""
+
+from pathlib import Path
+
+from mpirun import run_mpi
+
+SCRIPT = Path(__file__).parent / "scripts" / "bad_input.py"
+
+
+def errors(run) -> str:
+    return "\n".join(line for line in run.stdout.splitlines() if "ERROR" in line)
+
+
+def test_num_servers_not_below_world_size():
+    run = run_mpi(SCRIPT, 2, "too_many_servers", timeout=60)
+    assert run.returncode != 0
+    assert "num_servers=2" in errors(run) and "only 2 rank(s)" in errors(run)
+
+
+def test_workers_without_servers_explains_env_var():
+    run = run_mpi(SCRIPT, 2, "mismatch", servers=0, timeout=60)
+    assert run.returncode != 0
+    assert "IMERGE_NUM_SERVERS" in errors(run)
+
+
+def test_mismatched_models_name_tensor_worker_and_server():
+    run = run_mpi(SCRIPT, 3, "mismatch", servers=1, timeout=60)
+    assert run.returncode != 0
+    text = errors(run)
+    assert "IMergeMismatchError" in text
+    assert "worker 1" in text and "server 0" in text and "1.weight" in text
+    assert text.count("IMergeMismatchError") == 2  # both workers are told, neither waits forever
+
+
+def test_non_floating_tensor_is_refused_with_its_name():
+    run = run_mpi(SCRIPT, 2, "int_param", servers=1, timeout=60)
+    assert run.returncode != 0
+    text = errors(run)
+    assert "'counts'" in text and "torch.int64" in text and "worker 0" in text
+
+
+def test_zero_grad_while_pushing_is_refused():
+    run = run_mpi(SCRIPT, 2, "zero_grad_in_flight", servers=1, timeout=60)
+    text = errors(run)
+    # Either the push already finished (then zero_grad is legal) or the user is told what to do.
+    assert "NO ERROR" in run.stdout or "zero_grad() called while gradients are being pushed" in text
