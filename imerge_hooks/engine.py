@@ -54,6 +54,12 @@ class GradientEngine:
         # First guess of the ready order: reverse registration order (as DDP assumes).
         initial = [[i] for i in reversed(range(len(self.params)))]
         self.set_layout(initial)
+        self.replanner = None
+        if config.traits.planner != "none":
+            from .replan import Replanner
+
+            self.replanner = Replanner(self)
+            self.listeners.append(self.replanner)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # ------------------------------------------------------------------ checks

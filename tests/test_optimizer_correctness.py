@@ -53,3 +53,22 @@ def test_unused_parameter(tmp_path):
 def test_backward_passes_per_step(tmp_path):
     got = train(tmp_path, 2, 1, "--schedule", "wfbp", "--optimizer", "sgd", "--passes", "2")
     assert max_diff(got, reference_train("sgd", 5, passes=1)) <= TOL
+
+
+@pytest.fixture(scope="session")
+def cost_model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("costmodel")
+
+
+@pytest.mark.parametrize("schedule", ["threshold", "mgwfbp", "adaptive-ps"])
+@pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
+def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_model_dir, schedule, workers, servers):
+    """profile_steps=3: iterations 0-2 use one tensor per group, then the plan epoch changes."""
+    out = tmp_path / "final.pt"
+    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json"),
+           "IMERGE_FUSION_THRESHOLD_BYTES": "20000", "IMERGE_PLAN_LOG": "1"}
+    for opt in ("sgd", "adam"):
+        run = run_mpi(SCRIPT, workers + servers, str(out), "--schedule", schedule, "--optimizer", opt,
+                      "--steps", "6", "--profile-steps", "3", servers=servers, env=env, timeout=180).check()
+        assert "IMerge plan (" in run.stdout  # the plan was installed (and printed by worker 0)
+        assert max_diff(torch.load(out), reference_train(opt, 6)) <= TOL, (schedule, opt)

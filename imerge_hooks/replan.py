@@ -1,0 +1,71 @@
+"""After the profiling iterations, compute a fusion plan on worker 0 and adopt it everywhere."""
+
+from __future__ import annotations
+
+import logging
+
+from . import runtime
+from .costmodel import CostModel, LinearModel
+from .planner import Plan, plan
+from .profiler import Profile, Profiler
+
+log = logging.getLogger("imerge")
+
+
+def cost_model_for(method: str) -> CostModel:
+    """The model a planner method is judged on: the measured PS model, or MG-WFBP's line fitted to it."""
+    from .calibrate import load_or_calibrate
+
+    ps = load_or_calibrate()
+    if method == "mgwfbp":
+        return LinearModel.fit(ps.sizes, ps.times)
+    return ps
+
+
+class Replanner:
+    """Engine listener: profiles ``profile_steps`` iterations, then installs the plan (plan epoch)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.method = engine.cfg.traits.planner
+        self.profiler = Profiler(engine.names, engine.params, engine.cfg.profile_steps)
+        self.profile: Profile | None = None
+        self.plan: Plan | None = None
+        self.model: CostModel | None = None
+        if engine.cfg.profile_steps <= 0:
+            raise ValueError("IMerge: profile_steps must be >= 1 for planned schedules")
+
+    def __call__(self, engine) -> None:
+        if self.profiler.done:
+            return
+        self.profiler.record_iteration(engine.ready_at)
+        if self.profiler.done:
+            self.apply()
+
+    def apply(self) -> None:
+        engine = self.engine
+        topo = engine.topo
+        self.profile = self.profiler.profile()
+        self.model = cost_model_for(self.method) if topo.num_servers else LinearModel(0.0, 0.0)
+        decision = None
+        if topo.worker_rank == 0:
+            order = self.profile.ready_order()
+            sizes = [self.profile.sizes[i] for i in order]
+            ready = [self.profile.ready_times[i] for i in order]
+            dtypes = [self.profile.dtypes[i] for i in order]
+            result = plan(sizes, ready, self.model, self.method,
+                          fusion_threshold_bytes=engine.cfg.fusion_threshold_bytes, dtypes=dtypes)
+            decision = (order, result)
+        order, result = topo.worker_comm.bcast(decision, root=0) if topo.num_workers > 1 else decision
+        self.plan = result
+        groups = [[order[j] for j in group] for group in result.groups]
+        engine.set_layout(groups)
+        if engine.cfg.plan_log and topo.worker_rank == 0:
+            print(self.describe(order), flush=True)
+        log.info("IMerge: %s plan with %d groups installed as plan epoch %d", self.method, len(groups), engine.epoch)
+
+    def describe(self, order: list[int]) -> str:
+        sizes = [self.profile.sizes[i] for i in order]
+        head = (f"IMerge plan ({self.method}, epoch {self.engine.epoch}, model: "
+                f"{getattr(self.model, 'describe', lambda: repr(self.model))()})")
+        return head + "\n" + self.plan.describe(sizes)
