@@ -126,8 +126,8 @@ def main() -> None:
     runtime.init()
     start = time.perf_counter()
     model = measure([m for m in DEFAULT_GRID if m <= args.max_bytes])
+    path = args.out or cache_path(runtime.config().cost_model_path)  # collective over workers
     if runtime.topology().worker_rank == 0:
-        path = args.out or cache_path(runtime.config().cost_model_path)
         model.to_json(path)
         print(format_table(model))
         print(f"{model.describe()}  ({time.perf_counter() - start:.1f} s) -> {path}", flush=True)

@@ -9,6 +9,7 @@ has its gradient (or at ``synchronize()`` for the ``default`` schedule). Layout 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -16,6 +17,7 @@ import torch
 
 from . import runtime
 from .config import Config
+from .deferral import DeferredStep, supports_deferral
 from .errors import IMergeUsageError
 from .layout import Group, Placement, cut_keys, dtype_name, names_in_range
 from .scheduler import SchedulePolicy
@@ -51,6 +53,11 @@ class GradientEngine:
         self.views: list[torch.Tensor] = []
         self.without_gradient: set[int] = set()  # no worker produced a gradient this step
         self.listeners: list = []  # callables(engine) run after each synchronize (profiler, planner)
+        self.deferred: DeferredStep | None = None  # overlap_forward: the step being applied in forward
+        self._forward_hook = None
+        self._flush_hooked: set[int] = set()  # modules with a state_dict pre-hook that flushes
+        # (event, module name, monotonic time, detail): for tests and timelines
+        self.events: list | None = [] if os.environ.get("IMERGE_RECORD_EVENTS") else None
         # First guess of the ready order: reverse registration order (as DDP assumes).
         initial = [[i] for i in reversed(range(len(self.params)))]
         self.set_layout(initial)
@@ -60,6 +67,7 @@ class GradientEngine:
 
             self.replanner = Replanner(self)
             self.listeners.append(self.replanner)
+        runtime.add_flush_callback(self.flush_deferred)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # ------------------------------------------------------------------ checks
@@ -152,6 +160,11 @@ class GradientEngine:
     # ------------------------------------------------------------------ backward
     def _on_grad(self, param: torch.Tensor) -> None:
         i = self._index[id(param)]
+        if self.deferred is not None and self.deferred.owns(param):
+            raise IMergeUsageError(
+                f"IMerge worker {self.topo.worker_rank}: {self.names[i]!r} got a gradient before its deferred "
+                "update was applied: with overlap_forward, each parameter must be used through the forward() of "
+                "the module that owns it. Pass overlap_forward=False for this model")
         if self.backward_started is None:
             self.backward_started = time.perf_counter()
         view = self.views[i]
@@ -212,6 +225,7 @@ class GradientEngine:
 
     def synchronize(self) -> None:
         """Push what is left, wait for every result, and leave averaged gradients in ``.grad``."""
+        self.flush_deferred()
         if not self.pending_gradients and not any(g.submitted for g in self.groups):
             return  # nothing was computed since the last step
         self.push_remaining()
@@ -238,6 +252,14 @@ class GradientEngine:
 
     def zero_grad(self) -> None:
         """Zero the gradient buffers in place (gradients stay views into them)."""
+        if self.deferred is not None:
+            # Pending updates still need their gradients: zero each one right after it is applied.
+            self.deferred.zero_after_apply = True
+            pending = set(self.deferred.pending.values())
+            for i, view in enumerate(self.views):
+                if i not in pending:
+                    view.zero_()
+            return
         if self.in_flight:
             raise IMergeUsageError(
                 f"IMerge worker {self.topo.worker_rank}: zero_grad() called while gradients are being pushed "
@@ -251,6 +273,58 @@ class GradientEngine:
         for p, view in zip(self.params, self.views):
             if p.grad is not None and p.grad is not view:
                 p.grad = view
+
+    # ------------------------------------------------------------------ overlap with the next forward
+    def can_defer(self, optimizer: torch.optim.Optimizer) -> bool:
+        profiling = self.replanner is not None and not self.replanner.profiler.done
+        return (self.cfg.overlap and self.comm is not None and not profiling and supports_deferral(optimizer)
+                and self.pending_gradients)
+
+    def defer_step(self, optimizer: torch.optim.Optimizer, base_step) -> None:
+        """Send what is left and record the step; updates are applied in the next forward."""
+        self.flush_deferred()
+        self.push_remaining()
+        self.deferred = DeferredStep(optimizer, base_step, self, list(self.counts))
+        self.counts = [0] * len(self.params)
+        self.group_arrived = [0] * len(self.groups)
+        self.backward_started = None
+        self.iteration += 1
+        if self._forward_hook is None:
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module: torch.nn.Module, _args) -> None:
+        deferred = self.deferred
+        if deferred is None:
+            return
+        mine = [p for p in module._parameters.values() if p is not None and deferred.owns(p)]
+        if not mine:
+            return
+        if id(module) not in self._flush_hooked:
+            module.register_state_dict_pre_hook(lambda *_: runtime.flush_all())
+            self._flush_hooked.add(id(module))
+        if self.events is not None:
+            ready = all(self.groups[self.group_of[self._index[id(p)]]].done.is_set() for p in mine)
+            self.events.append(("wait_begin", type(module).__name__, time.monotonic(), ready))
+        deferred.apply(mine)
+        if self.events is not None:
+            self.events.append(("wait_end", type(module).__name__, time.monotonic(), None))
+        if deferred.finished:
+            self._end_deferral()
+
+    def flush_deferred(self) -> None:
+        """Apply every pending update of the recorded step (waits for its groups)."""
+        if self.deferred is not None:
+            self.deferred.flush()
+            self._end_deferral()
+
+    def _end_deferral(self) -> None:
+        self.deferred = None
+        for group in self.groups:
+            if group.done.is_set():
+                group.submitted = False
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
 
     def remove(self) -> None:
         for hook in self._hooks:

@@ -39,8 +39,13 @@ class _DistributedMixin:
             with torch.enable_grad():
                 loss = closure()
         engine = self._imerge_engine
+        if not self._imerge_skip_sync and engine.can_defer(self):
+            engine.defer_step(self, _base_step)
+            return loss
         if not self._imerge_skip_sync:
             engine.synchronize()
+        else:
+            engine.flush_deferred()
         hidden = _hide_missing_gradients(engine)
         try:
             super().step()  # type: ignore[misc]
@@ -60,6 +65,15 @@ class _DistributedMixin:
     def state_dict(self) -> dict[str, Any]:
         runtime.flush_all()
         return super().state_dict()  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        runtime.flush_all()
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def _base_step(optimizer: torch.optim.Optimizer) -> None:
+    """The wrapped optimizer's own step (used for deferred per-module updates)."""
+    super(_DistributedMixin, optimizer).step()  # type: ignore[misc]
 
 
 def _hide_missing_gradients(engine: GradientEngine) -> list[tuple[torch.Tensor, torch.Tensor]]:

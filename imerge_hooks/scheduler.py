@@ -4,7 +4,7 @@ Groups arrive from the engine as they become ready. Each is expanded into one ta
 tasks go out FIFO, or front layers first when ``priority`` is on (a partly sent group yields
 to a higher-priority one at partition granularity). With ``stagger`` worker r starts each
 group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
-(at least one task always is). Errors are kept and re-raised in the thread that waits.
+(at least one push always is); credit returns when a push is delivered. Errors are kept and re-raised in the thread that waits.
 """
 
 from __future__ import annotations
@@ -103,8 +103,11 @@ class CommThread:
         return self._error
 
     def stop(self) -> None:
+        """Stop the thread and join it, so no MPI call runs while MPI finalizes."""
         self._queue.put(None)
-        self._stopped.wait(5.0)
+        self._thread.join(10.0)
+        if self._thread.is_alive():
+            log.error("IMerge worker %d: communication thread did not stop within 10 s", self.rank)
 
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
@@ -134,7 +137,8 @@ class CommThread:
                     self._expand(group, policy, ready)
                 # 2. start tasks within the credit window
                 progressed = False
-                while ready and (credit is None or not inflight or bytes_in_flight + ready[0][2].nbytes <= credit):
+                while ready and (credit is None or bytes_in_flight == 0
+                                 or bytes_in_flight + ready[0][2].nbytes <= credit):
                     _, _, task = heapq.heappop(ready)
                     inflight.append(self._start(task))
                     bytes_in_flight += task.nbytes
@@ -142,13 +146,17 @@ class CommThread:
                 # 3. complete what finished
                 still = []
                 for op in inflight:
+                    if not op.send_done and op.send.Test():
+                        # Credit comes back when the push is delivered, not when the result is: the
+                        # server always drains pushes, so a worker holding credit never waits on
+                        # another worker (waiting for results would deadlock when orders differ).
+                        op.send_done = True
+                        bytes_in_flight -= op.task.nbytes
+                        progressed = True
                     if not op.recv_done:
                         op.recv_done = op.recv.Test()
-                    if not op.send_done:
-                        op.send_done = op.send.Test()
                     if op.recv_done and op.send_done:
                         self._finish(op)
-                        bytes_in_flight -= op.task.nbytes
                         progressed = True
                     else:
                         still.append(op)

@@ -8,7 +8,9 @@ program in an MPMD launch::
 
 from __future__ import annotations
 
+import heapq
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +53,9 @@ class Server:
         self._registrations: dict[int, dict] = {}
         self.pushes = 0
         self._orphans: list = []  # (buffer, send requests) of keys dropped by a new plan epoch
+        # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
+        self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
+        self._delayed: list[tuple[float, int]] = []
         self.bytes_in = 0
 
     # ------------------------------------------------------------------ main loop
@@ -61,6 +66,8 @@ class Server:
         status = MPI.Status()
         last_stall_check = time.monotonic()
         while True:
+            if self._delayed:
+                self._send_due()
             msg = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if msg is None:
                 self._progress_sends()
@@ -180,10 +187,23 @@ class Server:
         if state.count == self.workers:
             if state.out is not state.acc:
                 state.out.copy_(state.acc)
-            buf = as_mpi_buffer(state.out)
-            state.sends = [self.comm.Isend(buf, dest=w, tag=KEY_TAG_BASE + key) for w in range(self.workers)]
             state.count = 0
             state.arrived = set()
+            if self._delay_per_byte and not state.spec.names[0].startswith("calibration."):
+                heapq.heappush(self._delayed, (time.monotonic() + nbytes * self._delay_per_byte, key))
+            else:
+                self._send_result(state)
+
+    def _send_result(self, state: _KeyState) -> None:
+        buf = as_mpi_buffer(state.out)
+        tag = KEY_TAG_BASE + state.spec.key
+        state.sends = [self.comm.Isend(buf, dest=w, tag=tag) for w in range(self.workers)]
+
+    def _send_due(self) -> None:
+        now = time.monotonic()
+        while self._delayed and self._delayed[0][0] <= now:
+            _, key = heapq.heappop(self._delayed)
+            self._send_result(self.keys[key])
 
     def _wait_key_sends(self, state: _KeyState) -> None:
         if not state.sends:

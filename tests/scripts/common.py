@@ -60,7 +60,7 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def reference_train(opt_name: str, steps: int, unused: bool = False, passes: int = 1,
-                    scheduler: bool = False) -> dict[str, torch.Tensor]:
+                    scheduler: bool = False, with_optimizer: bool = False):
     """Single-process training on the full (concatenated) batch."""
     model = make_model(unused)
     opt = make_optimizer(opt_name, model.parameters())
@@ -73,7 +73,8 @@ def reference_train(opt_name: str, steps: int, unused: bool = False, passes: int
         opt.step()
         if sched:
             sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return (params, opt.state_dict()) if with_optimizer else params
 
 
 def say(rank: int, *parts: object) -> None:

@@ -21,6 +21,7 @@ parser.add_argument("--unused", action="store_true")
 parser.add_argument("--ddp", action="store_true", help="reference: torch DDP (gloo all-reduce) instead")
 parser.add_argument("--scheduler", action="store_true", help="StepLR stepped every iteration")
 parser.add_argument("--profile-steps", type=int, default=None)
+parser.add_argument("--state-at", type=int, default=None, help="save model+optimizer state after this step")
 args = parser.parse_args()
 
 imh.init()
@@ -46,6 +47,10 @@ for step in range(args.steps):
     opt.step()
     if sched:
         sched.step()
+    if args.state_at == step + 1:
+        snapshot = {"optimizer": opt.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
+        if rank == 0:
+            torch.save(snapshot, args.out + ".mid")
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
 say(rank, "done", args.schedule)

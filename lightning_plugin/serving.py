@@ -1,0 +1,38 @@
+"""The server side of the Lightning integration: serve stage by stage, and until shutdown at exit.
+
+No Lightning import here: this state is shared by the ``pytorch_lightning`` and ``lightning``
+flavours of the strategy.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from imerge_hooks import runtime
+
+_workers_gone = False
+_serving_at_exit = False
+
+
+def serve_stage() -> None:
+    """Serve one Trainer entry point; returns when every worker ended it (or shut down)."""
+    global _workers_gone
+    if not _workers_gone:
+        _workers_gone = runtime.serve_stage() == "shutdown"
+
+
+def serve_at_exit() -> None:
+    """On a server rank: at interpreter exit, serve until every worker has shut down.
+
+    So a script that ends (or fails) early on a server never leaves a worker waiting, and the
+    server exits with the script's own status once the workers are done.
+    """
+    global _serving_at_exit
+    if not _serving_at_exit and runtime.topology().is_server:
+        _serving_at_exit = True
+        atexit.register(_serve_until_shutdown)
+
+
+def _serve_until_shutdown() -> None:
+    while not _workers_gone:
+        serve_stage()

@@ -1,0 +1,225 @@
+"""Several Lightning runs in one launch, under ``strategy=imerge`` or Lightning's own DDP (the reference).
+
+Usage: python lightning_checks.py OUT --strategy imerge|imerge-name|ddp [--runs plain,full,manual,bf16]
+
+Runs (each a fresh model and Trainer, in this order):
+  plain   fit, 2 epochs, float64 SmallCNN, SGD with momentum; val loss/acc logged with sync_dist
+  full    fit with accumulate_grad_batches=2 (5 micro-batches an epoch: the last step is short),
+          gradient_clip_val, ModelCheckpoint every epoch; then validate(ckpt_path=...), test, predict
+  manual  manual optimization, two optimizers (SGD, Adam) over two sub-networks
+  bf16    float32 model, precision="bf16-mixed" on CPU
+Worker 0 writes OUT/<run>.pt (final state_dict) and OUT/<run>.json (metrics). Every rank says what
+it did; server ranks report what each entry point returned there.
+"""
+
+import argparse
+import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)  # DEBUG
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from common import SmallCNN, say
+from mpi4py import MPI
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins import TorchCheckpointIO
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_plugin
+
+WORLD_RANK = MPI.COMM_WORLD.Get_rank()
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--strategy", default="imerge", choices=["imerge", "imerge-name", "ddp"])
+parser.add_argument("--runs", default="plain,full,manual,bf16")
+args = parser.parse_args()
+OUT = Path(args.out)
+CLIP = 0.05
+
+
+def data(n: int, seed: int, dtype: torch.dtype = torch.float64) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g).to(dtype), torch.randint(0, 10, (n,), generator=g))
+
+
+class Net(pl.LightningModule):
+    def __init__(self, dtype: str = "float64", record_norms: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(1234)
+        self.net = SmallCNN().to(getattr(torch, dtype))
+        self.norms: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def _evaluate(self, batch, prefix: str) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log(f"{prefix}_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log(f"{prefix}_acc", (logits.argmax(1) == y).double().mean(), sync_dist=True)
+
+    def validation_step(self, batch, batch_idx):
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._evaluate(batch, "test")
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(1)
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.hparams.record_norms:  # gradients here must already be averaged over the workers
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class TwoNets(pl.LightningModule):
+    """Manual optimization: two sub-networks, each with its own loss and optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(99)
+        self.a = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)).double()
+        self.b = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)).double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        for net, opt in ((self.a, opt_a), (self.b, opt_b)):
+            loss = nn.functional.cross_entropy(net(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            opt.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.a.parameters(), lr=0.1, momentum=0.5), torch.optim.Adam(self.b.parameters(), lr=0.01)
+
+
+class RecordingIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        say(WORLD_RANK, "ckpt-write", os.path.basename(path))
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+
+def make_strategy(find_unused: bool = False):
+    if args.strategy == "imerge":
+        return lightning_plugin.IMergeStrategy(schedule="wfbp", stall_warning_s=30.0)
+    if args.strategy == "imerge-name":
+        return "imerge"  # schedule etc. from IMERGE_* env vars
+    from pytorch_lightning.plugins.environments import MPIEnvironment
+    from pytorch_lightning.strategies import DDPStrategy
+
+    return DDPStrategy(cluster_environment=MPIEnvironment(), process_group_backend="gloo",
+                       find_unused_parameters=find_unused)
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    devices = MPI.COMM_WORLD.Get_size() if args.strategy == "ddp" else 1
+    options = dict(accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   use_distributed_sampler=True)
+    options.update(kwargs)
+    if "strategy" not in options:
+        options["strategy"] = make_strategy()
+    return pl.Trainer(**options)
+
+
+def loader(ds: TensorDataset, shuffle: bool) -> DataLoader:
+    return DataLoader(ds, batch_size=6, shuffle=shuffle)
+
+
+def checksum(module: nn.Module) -> str:
+    return f"{sum(p.detach().double().abs().sum().item() for p in module.parameters()):.12f}"
+
+
+def finish(name: str, t: pl.Trainer, module: nn.Module, extra: dict | None = None) -> None:
+    metrics = {k: float(v) for k, v in t.callback_metrics.items()}
+    if t.is_global_zero:
+        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"{name}.pt")
+        (OUT / f"{name}.json").write_text(json.dumps({"metrics": metrics, **(extra or {})}))
+    say(WORLD_RANK, "checksum", name, checksum(module))
+
+
+def on_server() -> bool:
+    if args.strategy == "ddp":
+        return False
+    import imerge_hooks
+
+    return imerge_hooks.runtime.is_initialized() and imerge_hooks.is_server()
+
+
+def server_report(name: str, value) -> None:
+    if on_server():
+        say(WORLD_RANK, "server-returned", name, repr(value))
+
+
+pl.seed_everything(7, verbose=False)
+train, val = data(60, 1), data(24, 2)
+runs = args.runs.split(",")
+
+if "plain" in runs:
+    t = trainer(max_epochs=2)
+    model = Net()
+    server_report("fit", t.fit(model, loader(train, True), loader(val, False)))
+    if not on_server():
+        finish("plain", t, model)
+
+if "full" in runs:
+    ckpt_dir = OUT / "ckpt"
+    t = trainer(max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=CLIP, enable_checkpointing=True,
+                callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)],
+                plugins=[RecordingIO()])
+    model = Net(record_norms=True)
+    t.fit(model, loader(train, True), loader(val, False))
+    fit_metrics = {k: float(v) for k, v in t.callback_metrics.items()}
+    last = sorted(ckpt_dir.glob("*.ckpt"))[-1] if ckpt_dir.exists() else None
+    validated = t.validate(model, loader(val, False), ckpt_path=str(last) if last else None, verbose=False)
+    server_report("validate", validated)
+    tested = t.test(model, loader(val, False), verbose=False)
+    server_report("test", tested)
+    predicted = t.predict(model, loader(val, False))
+    server_report("predict", predicted)
+    if not on_server():
+        reloaded = Net.load_from_checkpoint(str(last))
+        diff = max((a - b).abs().max().item() for a, b in zip(reloaded.state_dict().values(),
+                                                              model.state_dict().values()))
+        say(WORLD_RANK, "ckpt-reload-maxdiff", diff)
+        say(WORLD_RANK, "predicted", sum(len(p) for p in predicted))
+        say(WORLD_RANK, "validate", json.dumps(validated[0]), "test", json.dumps(tested[0]))
+        finish("full", t, model, {"fit_metrics": fit_metrics, "validate": validated[0], "test": tested[0],
+                                  "norms": model.norms, "ckpts": sorted(p.name for p in ckpt_dir.glob("*.ckpt"))})
+
+if "manual" in runs:
+    t = trainer(max_epochs=1, strategy=make_strategy(find_unused=True))
+    model = TwoNets()
+    t.fit(model, loader(train, True))
+    if not on_server():
+        finish("manual", t, model)
+
+if "bf16" in runs:
+    t = trainer(max_epochs=1, precision="bf16-mixed")
+    model = Net(dtype="float32")
+    t.fit(model, loader(data(60, 1, torch.float32), True), loader(data(24, 2, torch.float32), False))
+    if not on_server():
+        loss = float(t.callback_metrics["train_loss"])
+        say(WORLD_RANK, "bf16-loss", loss, "finite" if math.isfinite(loss) else "NOT FINITE")
+        finish("bf16", t, model)
+
+say(WORLD_RANK, "done", args.strategy, "server" if on_server() else "worker")
+sys.stdout.flush()
