@@ -48,6 +48,7 @@ class GradientEngine:
         self.counts = [0] * len(self.params)
         self.ready_at: list[float] = [0.0] * len(self.params)
         self.backward_started: float | None = None
+        self.last_ready = 0.0
         self.groups: list[Group] = []
         self.group_of: list[int] = [0] * len(self.params)
         self.views: list[torch.Tensor] = []
@@ -68,6 +69,10 @@ class GradientEngine:
             self.replanner = Replanner(self)
             self.listeners.append(self.replanner)
         runtime.add_flush_callback(self.flush_deferred)
+        self.timeline = runtime.timeline()
+        if self.timeline is not None:
+            self.timeline.watch_modules(lambda m: any(id(p) in self._index for p in m._parameters.values()
+                                                      if p is not None))
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     # ------------------------------------------------------------------ checks
@@ -166,7 +171,7 @@ class GradientEngine:
                 "update was applied: with overlap_forward, each parameter must be used through the forward() of "
                 "the module that owns it. Pass overlap_forward=False for this model")
         if self.backward_started is None:
-            self.backward_started = time.perf_counter()
+            self.backward_started = time.monotonic()
         view = self.views[i]
         grad = param.grad
         if grad is not view:
@@ -183,7 +188,8 @@ class GradientEngine:
                 "(or synchronize()) after each group of backward passes, or raise backward_passes_per_step")
         if self.counts[i] < self.passes:
             return
-        self.ready_at[i] = time.perf_counter() - self.backward_started
+        self.last_ready = time.monotonic()
+        self.ready_at[i] = self.last_ready - self.backward_started
         g = self.group_of[i]
         self.group_arrived[g] += 1
         if self.immediate and self.group_arrived[g] == len(self.groups[g].members):
@@ -229,11 +235,19 @@ class GradientEngine:
         if not self.pending_gradients and not any(g.submitted for g in self.groups):
             return  # nothing was computed since the last step
         self.push_remaining()
+        wait_start = time.monotonic()
         for group in self.groups:
             self.wait_group(group)
+        if self.timeline is not None:
+            self.timeline.span("wait for all groups", "wait", wait_start, time.monotonic())
         self.finish_iteration()
 
+    def _record_backward(self) -> None:
+        if self.timeline is not None and self.backward_started is not None:
+            self.timeline.span("backward", "backward", self.backward_started, self.last_ready)
+
     def finish_iteration(self) -> None:
+        self._record_backward()
         self.without_gradient = set()
         for i, p in enumerate(self.params):
             if self.counts[i] == 0:
@@ -284,6 +298,7 @@ class GradientEngine:
         """Send what is left and record the step; updates are applied in the next forward."""
         self.flush_deferred()
         self.push_remaining()
+        self._record_backward()
         self.deferred = DeferredStep(optimizer, base_step, self, list(self.counts))
         self.counts = [0] * len(self.params)
         self.group_arrived = [0] * len(self.groups)
@@ -305,7 +320,10 @@ class GradientEngine:
         if self.events is not None:
             ready = all(self.groups[self.group_of[self._index[id(p)]]].done.is_set() for p in mine)
             self.events.append(("wait_begin", type(module).__name__, time.monotonic(), ready))
+        wait_start = time.monotonic()
         deferred.apply(mine)
+        if self.timeline is not None:
+            self.timeline.span(f"wait+update {type(module).__name__}", "wait", wait_start, time.monotonic())
         if self.events is not None:
             self.events.append(("wait_end", type(module).__name__, time.monotonic(), None))
         if deferred.finished:

@@ -17,7 +17,7 @@ from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeT
 from .polling import Backoff
 from .scheduler import CommThread
 from .topology import Topology, build_topology
-from .transport import TAG_CONTROL, TAG_REPLY, KeySpec, table_to_wire
+from .transport import TAG_CONTROL, TAG_REPLY, TAG_TIMELINE, KeySpec, table_to_wire
 
 log = logging.getLogger("imerge")
 
@@ -36,6 +36,7 @@ class _State:
         self.own_process_group = False
         self.shut_down = False
         self.flush_callbacks: list = []
+        self.timeline = None  # timeline.Timeline when IMERGE_TIMELINE is set
 
 
 _state = _State()
@@ -73,14 +74,22 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     topo = build_topology(int(cfg.num_servers))
     _state.topology, _state.config = topo, cfg
     _setup_logging()
+    if cfg.timeline:
+        from .timeline import Timeline
+
+        if topo.is_server:
+            _state.timeline = Timeline(f"server {topo.server_index}", 1000 + topo.server_index)
+        else:
+            _state.timeline = Timeline(f"worker {topo.worker_rank}", topo.worker_rank)
     if topo.is_server:
         if serve == "forever":
             serve_until_shutdown()
             raise SystemExit(0)
         return
     if topo.num_servers > 0:
+        on_event = _timeline_comm_event if _state.timeline is not None else None
         _state.comm_thread = CommThread(topo.data_comm, topo.worker_rank, topo.num_workers, topo.num_servers,
-                                        topo.server_world_rank, cfg.timeout_s)
+                                        topo.server_world_rank, cfg.timeout_s, on_event=on_event)
     atexit.register(shutdown)
 
 
@@ -88,8 +97,28 @@ def serve_until_shutdown() -> None:
     """Run the server loop until every worker shut down (server ranks only)."""
     from .server import Server
 
-    Server(topology(), config()).serve("shutdown")
+    server = getattr(_state, "server", None) or Server(topology(), config())
+    server.serve("shutdown")
     _state.shut_down = True
+    _send_server_timeline()
+
+
+def timeline():
+    """This rank's Timeline, or None when IMERGE_TIMELINE is not set."""
+    return _state.timeline
+
+
+def _timeline_comm_event(kind: str, group, slot: int, start: float, end: float) -> None:
+    if kind == "done":
+        spec = group.keys[slot]
+        _state.timeline.span(f"push+pull key {spec.key} -> server {spec.server}", "comm", start, end, "comm")
+
+
+def _send_server_timeline() -> None:
+    if _state.timeline is not None:
+        from .timeline import export
+
+        topology().data_comm.send(export(_state.timeline), dest=0, tag=TAG_TIMELINE)
 
 
 def serve_stage() -> str:
@@ -102,6 +131,7 @@ def serve_stage() -> str:
     why = server.serve("stage")
     if why == "shutdown":
         _state.shut_down = True
+        _send_server_timeline()
     return why
 
 
@@ -287,8 +317,25 @@ def shutdown() -> None:
         if _state.comm_thread is not None:
             _state.comm_thread.stop()
         _control_all({"op": "shutdown"})
+        if _state.timeline is not None:
+            _write_timeline()
         if _state.own_process_group:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _write_timeline() -> None:
+    """Gather every rank's events on worker 0 and write one Chrome trace."""
+    from .timeline import export, write_trace
+
+    topo = topology()
+    parts = topo.worker_comm.gather(export(_state.timeline), root=0)
+    if topo.worker_rank != 0:
+        return
+    for server in range(topo.num_servers):
+        parts.append(_recv_with_timeout(topo.data_comm, topo.server_world_rank(server), TAG_TIMELINE,
+                                        f"the timeline of server {server}"))
+    write_trace(config().timeline, parts)
+    log.warning("IMerge: timeline written to %s", config().timeline)

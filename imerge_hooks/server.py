@@ -56,6 +56,9 @@ class Server:
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
         self._delayed: list[tuple[float, int]] = []
+        from . import runtime
+
+        self.timeline = runtime.timeline()
         self.bytes_in = 0
 
     # ------------------------------------------------------------------ main loop
@@ -185,6 +188,9 @@ class Server:
         self.pushes += 1
         self.bytes_in += nbytes
         if state.count == self.workers:
+            if self.timeline is not None:
+                self.timeline.span(f"key {key} ({', '.join(state.spec.names[:2])})", "server",
+                                   state.first_push_at, time.monotonic())
             if state.out is not state.acc:
                 state.out.copy_(state.acc)
             state.count = 0

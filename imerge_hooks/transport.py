@@ -6,6 +6,7 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
   ``stage_end``, ``shutdown``.
 * ``TAG_REPLY`` server -> worker, pickled dict: ``ack`` / ``error`` answers to ``register``.
 * ``TAG_ERROR`` server -> worker, pickled dict: an asynchronous error (bad push, stall).
+* ``TAG_TIMELINE`` server -> worker 0 at shutdown, pickled timeline events (``IMERGE_TIMELINE``).
 * ``KEY_TAG_BASE + key``: raw bytes of one key, worker -> server (push) and the summed
   result server -> worker (pull). The worker posts the ``Irecv`` for the result before the
   ``Isend`` of the push. One outstanding push per (worker, key); MPI's non-overtaking rule
@@ -23,6 +24,7 @@ from ._mpi import MPI
 TAG_CONTROL = 1
 TAG_REPLY = 2
 TAG_ERROR = 3
+TAG_TIMELINE = 4
 KEY_TAG_BASE = 16
 
 SUPPORTED_DTYPES = {
@@ -57,7 +59,7 @@ def as_mpi_buffer(tensor: torch.Tensor) -> list:
     """A contiguous CPU tensor as an MPI byte buffer, zero-copy (works for bfloat16 too)."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("IMerge internal: MPI buffers must be contiguous CPU tensors")
-    return [tensor.view(torch.uint8).numpy(), MPI.BYTE]
+    return [tensor.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE]
 
 
 def table_to_wire(keys: list[KeySpec]) -> list[tuple]:

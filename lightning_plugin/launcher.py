@@ -3,11 +3,16 @@
 mpiexec already started every rank, so nothing is spawned. A server serves the stage until
 every worker has finished it (workers call ``end_stage()`` when the function returns or
 raises), and the entry point returns ``None`` there.
+
+After a stage that ended normally the workers also wait for each other (an MPI barrier over
+the workers), so no worker's next control message (the next stage's end, or its shutdown at
+exit) reaches a server before every worker's end of this stage.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +20,8 @@ from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerStatus
 
 from imerge_hooks import runtime
+from imerge_hooks.errors import IMergeTimeoutError
+from imerge_hooks.polling import Backoff
 from lightning_plugin.serving import serve_stage
 
 log = logging.getLogger("imerge")
@@ -40,6 +47,7 @@ class IMergeLauncher(_Launcher):
             _end_stage_after_error()
             raise
         runtime.end_stage()
+        _wait_for_all_workers()
         return result
 
     def kill(self, signum: Any) -> None:
@@ -51,3 +59,18 @@ def _end_stage_after_error() -> None:
         runtime.end_stage()
     except Exception:  # the stage failed already (comm thread down, server gone): keep the first error
         log.exception("IMerge worker: could not tell the servers that the failed stage ended")
+
+
+def _wait_for_all_workers() -> None:
+    """Barrier over the workers, polled (MPICH spins otherwise) and bounded by ``timeout_s``."""
+    topo = runtime.topology()
+    if topo.num_workers == 1:
+        return
+    request = topo.worker_comm.Ibarrier()
+    deadline = time.monotonic() + runtime.config().timeout_s
+    backoff = Backoff()
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise IMergeTimeoutError(f"IMerge worker {topo.worker_rank}: waited {runtime.config().timeout_s:.0f} s "
+                                     "for the other workers to finish this Trainer stage")
+        backoff.idle()

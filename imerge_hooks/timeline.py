@@ -1,0 +1,81 @@
+"""Chrome-trace (Perfetto) timeline of compute and communication: ``IMERGE_TIMELINE=path.json``.
+
+Each worker records forward and backward spans, one span per key from push to result, and
+the waits of the optimizer (synchronize, per-module waits under overlap); each server records
+one span per key from the first push to the result. At shutdown every rank sends its events
+to worker 0, which writes one file with a track per worker and per server. Times come from
+``time.monotonic()`` (one clock per host; across hosts the tracks are not aligned).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+_lock = threading.Lock()
+
+
+class Timeline:
+    """Events of one rank: (name, category, start, end, thread)."""
+
+    def __init__(self, track: str, sort_index: int) -> None:
+        self.track = track
+        self.sort_index = sort_index
+        self.events: list[tuple[str, str, float, float, str]] = []
+        self._forward: dict[int, float] = {}
+        self._handles: list = []
+
+    def span(self, name: str, category: str, start: float, end: float, thread: str = "main") -> None:
+        with _lock:
+            self.events.append((name, category, start, end, thread))
+
+    # ---------------------------------------------------------------- compute spans (workers)
+    def watch_modules(self, owns) -> None:
+        """Record the forward of every module for which ``owns(module)`` is true."""
+        def pre(module, _args):
+            if owns(module):
+                self._forward[id(module)] = time.monotonic()
+
+        def post(module, _args, _out):
+            start = self._forward.pop(id(module), None)
+            if start is not None:
+                self.span(f"forward {type(module).__name__}", "forward", start, time.monotonic())
+
+        self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+                         torch.nn.modules.module.register_module_forward_hook(post)]
+
+    def to_trace(self, pid: int) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": self.track}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": self.sort_index}},
+        ]
+        threads = sorted({e[4] for e in self.events})
+        tids = {t: i for i, t in enumerate(threads)}
+        for t, i in tids.items():
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": i, "args": {"name": t}})
+        for name, cat, start, end, thread in self.events:
+            out.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tids[thread],
+                        "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6})
+        return out
+
+
+def write_trace(path: str, timelines: list[dict[str, Any]]) -> None:
+    """``timelines``: dicts with keys track, sort_index, events (as produced by ``export``)."""
+    trace: list[dict[str, Any]] = []
+    origin = min((e[2] for t in timelines for e in t["events"]), default=0.0)
+    for pid, t in enumerate(sorted(timelines, key=lambda t: t["sort_index"])):
+        tl = Timeline(t["track"], t["sort_index"])
+        tl.events = [(n, c, s - origin, e - origin, th) for n, c, s, e, th in t["events"]]
+        trace += tl.to_trace(pid)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+
+
+def export(timeline: Timeline) -> dict[str, Any]:
+    return {"track": timeline.track, "sort_index": timeline.sort_index, "events": list(timeline.events)}

@@ -1,0 +1,35 @@
+"""The examples run as their docstrings say (with small sizes)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from mpirun import run_mpi
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return {"IMERGE_COST_MODEL_PATH": str(tmp_path_factory.mktemp("cm") / "ps-{workers}w-{servers}s-{hosts}.json")}
+
+
+def result_line(run) -> str:
+    return next(line for line in run.stdout.splitlines() if line.startswith("RESULT"))
+
+
+def test_horovod_style_learns_digits(env):
+    run = run_mpi(EXAMPLES / "horovod_style.py", 3, "--epochs", "2", servers=1, env=env, timeout=150).check()
+    assert float(result_line(run).split("val_acc=")[1]) > 0.8
+
+
+def test_ddp_hook_learns_digits(env):
+    run = run_mpi(EXAMPLES / "ddp_hook.py", 3, "--epochs", "2", servers=1, env=env, timeout=150).check()
+    assert float(result_line(run).split("val_acc=")[1]) > 0.8
+
+
+@pytest.mark.parametrize("schedule", ["wfbp", "imerge"])
+def test_resnet_synthetic_runs(env, schedule):
+    run = run_mpi(EXAMPLES / "resnet_synthetic.py", 3, "--schedule", schedule, "--image-size", "32",
+                  "--batch-size", "2", "--warmup", "3", "--iters", "2", servers=1, env=env, timeout=180).check()
+    assert json.loads(result_line(run)[len("RESULT "):])["samples_per_s"] > 0
