@@ -92,17 +92,18 @@ def host_label() -> str:
 
 
 class _Clock:
-    """perf_counter marks on CPU; CUDA events (resolved after the iteration) on GPU."""
+    """perf_counter (or process CPU time) marks on CPU; CUDA events (resolved after the iteration) on GPU."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, kind: str = "wall") -> None:
         self.cuda = device.type == "cuda"
+        self._now = time.process_time if kind == "cpu" else time.perf_counter
 
     def mark(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return self._now()
 
     def since(self, start, mark) -> float:
         """Seconds from start to mark (call after sync())."""
@@ -116,12 +117,12 @@ class _Clock:
 
 
 def profile_model(name: str, device: torch.device, batch_size: int, image_size: int,
-                  warmup: int = 2, iters: int = 3, verbose: bool = True) -> dict:
+                  warmup: int = 2, iters: int = 3, clock_kind: str = "wall", verbose: bool = True) -> dict:
     torch.manual_seed(0)
     model = getattr(torchvision.models, name)(weights=None, num_classes=1000).to(device).train()
     layers = param_layers(model)
     layer_names = [n for n, _ in layers]
-    clock = _Clock(device)
+    clock = _Clock(device, clock_kind)
 
     fwd_marks: list[tuple[str, object]] = []
     ready_marks: dict[str, object] = {}
@@ -222,6 +223,7 @@ def profile_model(name: str, device: torch.device, batch_size: int, image_size: 
         "timed_iterations": iters,
         "warmup_iterations": warmup,
         "dtype": "float32",
+        "clock": "cuda-events" if device.type == "cuda" else clock_kind,
         "method": "gap attribution: forward hooks mark each layer's end, post-accumulate-grad hooks mark "
                   "gradient-ready times; parameter-free ops fold into the adjacent parameterised layer",
         "host": host_label() if device.type == "cpu" else label,
@@ -239,7 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--out-dir", default=str(PROFILE_DIR))
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="CPU only: wall = perf_counter with torch's default threads; cpu = process CPU time "
+                         "with one torch thread (robust when other processes load the machine)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU; default: torch's)")
     args = ap.parse_args(argv)
+    if args.clock == "cpu":
+        torch.set_num_threads(1)
+    elif args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         t0 = time.perf_counter()
-        prof = profile_model(name, device, batch, args.image_size, args.warmup, args.iters)
+        prof = profile_model(name, device, batch, args.image_size, args.warmup, args.iters, args.clock)
         path = Path(args.out_dir) / f"{name}-{tag}.json"
         with open(path, "w") as f:
             json.dump(prof, f, indent=1)
@@ -265,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{prof['iteration_s'] * 1e3:9.1f} {prof['layer_sum_s'] * 1e3:9.1f}  {path} "
                     f"({time.perf_counter() - t0:.0f} s)")
         print(rows[-1], flush=True)
-    print(f"\ndevice {prof['device']}, batch {batch}, image {args.image_size}, torch threads {torch.get_num_threads()}")
+    print(f"\ndevice {prof['device']}, batch {batch}, image {args.image_size}, clock {prof['clock']}, "
+          f"torch threads {torch.get_num_threads()}")
     for r in rows:
         print(r)
     return 0

@@ -15,6 +15,7 @@ from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_pa
 from .config import SCHEDULES, Config
 from .ddp import IMergeHookState, ps_hook
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
+from .layout import Compression
 from .optimizer import DistributedOptimizer
 from .runtime import init, shutdown, worker_group
 
@@ -64,7 +65,7 @@ def num_servers() -> int:
 
 
 __all__ = [
-    "SCHEDULES", "Config", "DistributedOptimizer", "IMergeConfigError", "IMergeError", "IMergeMismatchError",
+    "SCHEDULES", "Compression", "Config", "DistributedOptimizer", "IMergeConfigError", "IMergeError", "IMergeMismatchError",
     "IMergeHookState", "IMergeTimeoutError", "IMergeUsageError", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "init", "is_server", "ps_hook", "local_rank", "local_size", "num_servers", "rank", "shutdown",
     "size", "worker_group",

@@ -19,7 +19,7 @@ from . import runtime
 from .config import Config
 from .deferral import DeferredStep, supports_deferral
 from .errors import IMergeUsageError
-from .layout import Group, Placement, cut_keys, dtype_name, names_in_range
+from .layout import Group, Placement, cut_keys, dtype_name, names_in_range, wire_dtype
 from .scheduler import SchedulePolicy
 from .transport import SUPPORTED_DTYPES, KeySpec
 
@@ -133,14 +133,16 @@ class GradientEngine:
                 self.group_of[i] = gi
                 offset += p.numel()
             on_host = device.type == "cpu"
-            result = torch.empty(total, dtype=dtype, pin_memory=not on_host and torch.cuda.is_available())
-            staging = None if on_host else torch.empty_like(result)
-            ranges = cut_keys(total, flat.element_size(),
+            wire = wire_dtype(dtype, self.cfg.compression)
+            pinned = not on_host and torch.cuda.is_available()
+            result = torch.empty(total, dtype=wire, pin_memory=pinned)
+            staging = None if on_host and wire == dtype else torch.empty(total, dtype=wire, pin_memory=pinned)
+            ranges = cut_keys(total, wire.itemsize,
                               self.cfg.partition_bytes if self.cfg.traits.partition else None)
             keys = []
             for start, end in ranges:
-                nbytes = (end - start) * flat.element_size()
-                keys.append(KeySpec(next(key_ids), nbytes, SUPPORTED_DTYPES[dtype], placement.place(nbytes),
+                nbytes = (end - start) * wire.itemsize
+                keys.append(KeySpec(next(key_ids), nbytes, SUPPORTED_DTYPES[wire], placement.place(nbytes),
                                     names_in_range(spans, start, end)))
             groups.append(Group(index=gi, flat=flat, result=result, keys=keys, key_ranges=ranges,
                                 priority=min(members), names=tuple(self.names[i] for i in members),
@@ -159,6 +161,7 @@ class GradientEngine:
         for members in plan:
             total = sum(self.params[i].numel() for i in members)
             size = self.params[members[0]].element_size() if members else 4
+            size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
             count += len(cut_keys(total, size, self.cfg.partition_bytes if self.cfg.traits.partition else None))
         return count
 

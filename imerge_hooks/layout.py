@@ -25,7 +25,7 @@ class Group:
     key_ranges: list[tuple[int, int]]
     priority: int
     names: tuple[str, ...]
-    staging: torch.Tensor | None = None  # host copy of ``flat`` when it lives on a GPU
+    staging: torch.Tensor | None = None  # host/wire-dtype copy of ``flat`` (GPU tensors, compression)
     done: threading.Event = field(default_factory=threading.Event)
     submitted: bool = False
     cuda_event: object | None = None  # recorded when the gradients are ready (GPU only)
@@ -36,7 +36,7 @@ class Group:
         """The bytes to push for elements [start, end): host memory, contiguous."""
         if self.staging is None:
             return self.flat[start:end]
-        if self.cuda_event is not None:
+        if self.cuda_event is not None and self.flat.device.type == "cuda":
             self.cuda_event.synchronize()
         self.staging[start:end].copy_(self.flat[start:end])
         return self.staging[start:end]
@@ -45,10 +45,11 @@ class Group:
         """Average the summed result into the gradient buffer."""
         out = self.flat[start:end]
         res = self.result[start:end]
-        if out.device == res.device:
+        if out.device == res.device and out.dtype == res.dtype:
             torch.div(res, workers, out=out)
         else:
-            out.copy_(res.div_(workers))
+            out.copy_(res)  # widen (compression) or upload (GPU) first, then divide at full precision
+            out.div_(workers)
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +58,28 @@ class Group:
     def describe(self) -> str:
         shown = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
         return f"group {self.index} ({len(self.names)} tensors, {self.nbytes} bytes: {shown})"
+
+
+class Compression:
+    """Wire formats: ``compression=Compression.fp16`` halves float32 bytes on the wire.
+
+    Servers accumulate 16-bit pushes in float32; results travel back in the wire format.
+    This changes numerics (gradients are rounded to 16 bits twice).
+    """
+
+    none = "none"
+    fp16 = "fp16"
+    bf16 = "bf16"
+
+
+_WIRE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wire_dtype(dtype: torch.dtype, compression: str) -> torch.dtype:
+    """The dtype a gradient of ``dtype`` travels in (16-bit types are never re-compressed)."""
+    if compression in _WIRE and dtype in (torch.float32, torch.float64):
+        return _WIRE[compression]
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype, tensor_name: str, where: str) -> str:

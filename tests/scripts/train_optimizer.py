@@ -21,6 +21,7 @@ parser.add_argument("--unused", action="store_true")
 parser.add_argument("--ddp", action="store_true", help="reference: torch DDP (gloo all-reduce) instead")
 parser.add_argument("--scheduler", action="store_true", help="StepLR stepped every iteration")
 parser.add_argument("--profile-steps", type=int, default=None)
+parser.add_argument("--compression", default=None)
 parser.add_argument("--state-at", type=int, default=None, help="save model+optimizer state after this step")
 args = parser.parse_args()
 
@@ -34,7 +35,8 @@ else:
     net = model
     opt = imh.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()),
                                    named_parameters=model.named_parameters(), schedule=args.schedule,
-                                   backward_passes_per_step=args.passes, profile_steps=args.profile_steps)
+                                   backward_passes_per_step=args.passes, profile_steps=args.profile_steps,
+                                   compression=args.compression)
     imh.broadcast_parameters(model.state_dict(), root_rank=0)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
 for step in range(args.steps):
@@ -53,4 +55,6 @@ for step in range(args.steps):
             torch.save(snapshot, args.out + ".mid")
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+if not args.ddp:
+    say(rank, "KEYBYTES", sum(k.nbytes for g in opt._imerge_engine.groups for k in g.keys))
 say(rank, "done", args.schedule)

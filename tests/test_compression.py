@@ -1,0 +1,26 @@
+"""fp16 / bf16 compression halves the bytes on the wire and stays close to the exact run."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from common import reference_train
+from mpirun import run_mpi
+
+SCRIPT = Path(__file__).parent / "scripts" / "train_optimizer.py"
+
+
+@pytest.mark.parametrize("compression,bound", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_compression_halves_wire_bytes_and_bounds_the_error(tmp_path, compression, bound):
+    out = tmp_path / "final.pt"
+    plain = run_mpi(SCRIPT, 3, str(out), "--schedule", "wfbp", servers=1, timeout=120).check()
+    run = run_mpi(SCRIPT, 3, str(out), "--schedule", "wfbp", "--compression", compression, servers=1,
+                  timeout=120).check()
+    full = int(plain.lines(0, "KEYBYTES")[0])
+    squeezed = int(run.lines(0, "KEYBYTES")[0])
+    # The test model is float64: 16-bit wire formats carry a quarter of its bytes.
+    assert squeezed * 4 == full
+    ref = reference_train("sgd", 5)
+    got = torch.load(out)
+    diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert 0 < diff <= bound  # numerics change, by a bounded amount
