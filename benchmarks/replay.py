@@ -21,6 +21,12 @@
   right after that layer's backward sleep, before the previous layer's: gradients become ready
   last layer first, at the profiled times.
 
+CPU: run replay processes with one intra-op thread (``OMP_NUM_THREADS=1`` or
+``torch.set_num_threads(1)``, which ``main`` below does): with more, OpenMP's worker threads spin
+for a while after every gradient accumulation, burning the CPU that the sleeps were meant to leave
+free (measured: 21 ms of CPU per ResNet-18 iteration with one thread, ~170 ms with two). What is
+left is O(gradient bytes): one pass to zero and one to accumulate the gradients.
+
 Input: any float tensor whose first dimension is the batch, e.g. ``torch.randn(batch, 1)``
 (``ReplayModel.example_input()``); output: a tensor of the same shape, so
 ``model(x).sum().backward()`` is one training iteration.
@@ -232,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.1)
     ap.add_argument("--iters", type=int, default=3)
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)
     model = ReplayModel(load_profile(args.model, args.device), time_scale=args.time_scale)
     n = sum(1 for _ in model.parameters())
     mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
@@ -240,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{mb:.1f} MB; time scale {args.time_scale}: expected forward {exp_f * 1e3:.1f} ms, "
           f"backward {exp_b * 1e3:.1f} ms")
     x = model.example_input()
+    model(x).sum().backward()  # allocates .grad; later iterations accumulate in place, as under IMerge
     for it in range(args.iters):
+        model.zero_grad(set_to_none=False)
         c0, t0 = time.process_time(), time.perf_counter()
         out = model(x)
         t1 = time.perf_counter()

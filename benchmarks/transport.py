@@ -198,7 +198,7 @@ def machine_info() -> dict:
         "processor": platform.processor(), "nproc": os.cpu_count(), "nproc_affinity": affinity,
         "loadavg_at_start": load, "python": sys.version.split()[0], "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(), "numpy": np.__version__, "mpi4py": mpi4py.__version__,
-        "mpi_library": first, "mpich_wheel": mpich_wheel, "mpi_version": "%d.%d" % MPI.Get_version(),
+        "mpi_library": first, "mpich_wheel": mpich_wheel, "mpi_version": "{}.{}".format(*MPI.Get_version()),
         "mpi_thread_level": MPI.Query_thread(), "imerge": imerge_hooks.__version__,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
@@ -249,8 +249,9 @@ def worker_main(args: argparse.Namespace, raw: MPI.Comm) -> int:
             cases[m] = EngineCase(m, runtime.config())
         results[m]["imerge"].append(summarize(cases[m].run(iters, warmup)))
         runtime.end_stage()
-        print(f"sweep {sweep + 1}/{args.sweeps} {fmt_size(m):>8}: raw {results[m]['raw'][-1]['median_s'] * 1e6:10.1f} us"
-              f"  imerge {results[m]['imerge'][-1]['median_s'] * 1e6:10.1f} us", file=sys.stderr, flush=True)
+        raw_us, im_us = results[m]["raw"][-1]["median_s"] * 1e6, results[m]["imerge"][-1]["median_s"] * 1e6
+        print(f"sweep {sweep + 1}/{args.sweeps} {fmt_size(m):>8}: raw {raw_us:10.1f} us  imerge {im_us:10.1f} us",
+              file=sys.stderr, flush=True)
     raw.send(("done",), dest=SERVER, tag=RAW_TAG)
     rows = build_rows(results, sizes)
     print_table(rows)

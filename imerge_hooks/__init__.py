@@ -17,7 +17,7 @@ from .ddp import IMergeHookState, ps_hook
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .layout import Compression
 from .optimizer import DistributedOptimizer
-from .runtime import init, shutdown, worker_group
+from .runtime import init, join, shutdown, worker_group
 
 __version__ = "0.1.0"
 
@@ -67,6 +67,6 @@ def num_servers() -> int:
 __all__ = [
     "SCHEDULES", "Compression", "Config", "DistributedOptimizer", "IMergeConfigError", "IMergeError", "IMergeMismatchError",
     "IMergeHookState", "IMergeTimeoutError", "IMergeUsageError", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", "init", "is_server", "ps_hook", "local_rank", "local_size", "num_servers", "rank", "shutdown",
+    "broadcast_parameters", "init", "is_server", "join", "ps_hook", "local_rank", "local_size", "num_servers", "rank", "shutdown",
     "size", "worker_group",
 ]

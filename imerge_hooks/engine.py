@@ -69,6 +69,7 @@ class GradientEngine:
             self.replanner = Replanner(self)
             self.listeners.append(self.replanner)
         runtime.add_flush_callback(self.flush_deferred)
+        runtime._state.join_callbacks.append(self.synchronize)
         self.timeline = runtime.timeline()
         if self.timeline is not None:
             self.timeline.watch_modules(lambda m: any(id(p) in self._index for p in m._parameters.values()

@@ -36,6 +36,7 @@ class _State:
         self.own_process_group = False
         self.shut_down = False
         self.flush_callbacks: list = []
+        self.join_callbacks: list = []  # engines finish their iteration before a join
         self.timeline = None  # timeline.Timeline when IMERGE_TIMELINE is set
 
 
@@ -245,6 +246,28 @@ def _control_all(message: dict) -> None:
     topo = topology()
     for server in range(topo.num_servers):
         topo.data_comm.send(message, dest=topo.server_world_rank(server), tag=TAG_CONTROL)
+
+
+def join() -> int:
+    """This worker ran out of data: let the others finish their iterations, then return.
+
+    Until every worker has joined, this worker's missing pushes count as zero contributions
+    and the servers average over the workers that contributed. Returns the rank of the
+    worker that joined last. Plan changes must not happen while a worker has joined.
+    """
+    topo = topology()
+    flush_all()
+    for fn in list(_state.join_callbacks):
+        fn()
+    if topo.num_servers == 0:
+        return topo.worker_rank
+    _control_all({"op": "join"})
+    last = -1
+    for server in range(topo.num_servers):
+        reply = _recv_with_timeout(topo.data_comm, topo.server_world_rank(server), TAG_REPLY,
+                                   f"server {server} to report that every worker joined")
+        last = reply.get("last", last)
+    return last
 
 
 # ---------------------------------------------------------------------- torch.distributed

@@ -52,10 +52,12 @@ class Server:
         self.epoch = -1
         self._registrations: dict[int, dict] = {}
         self.pushes = 0
+        self.joined: set[int] = set()  # workers out of data (imerge_hooks.join())
+        self.last_joined = -1
         self._orphans: list = []  # (buffer, send requests) of keys dropped by a new plan epoch
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
-        self._delayed: list[tuple[float, int]] = []
+        self._delayed: list[tuple[float, int, list[int]]] = []
         from . import runtime
 
         self.timeline = runtime.timeline()
@@ -94,6 +96,8 @@ class Server:
             op = request.get("op")
             if op == "register":
                 self._on_register(source, request)
+            elif op == "join":
+                self._on_join(source)
             elif op in done:
                 done[op].add(source)
                 if op == "shutdown":
@@ -187,29 +191,50 @@ class Server:
         state.arrived.add(source)
         self.pushes += 1
         self.bytes_in += nbytes
-        if state.count == self.workers:
-            if self.timeline is not None:
-                self.timeline.span(f"key {key} ({', '.join(state.spec.names[:2])})", "server",
-                                   state.first_push_at, time.monotonic())
-            if state.out is not state.acc:
-                state.out.copy_(state.acc)
-            state.count = 0
-            state.arrived = set()
-            if self._delay_per_byte and not state.spec.names[0].startswith("calibration."):
-                heapq.heappush(self._delayed, (time.monotonic() + nbytes * self._delay_per_byte, key))
-            else:
-                self._send_result(state)
+        if state.count == self.workers - len(self.joined - state.arrived):
+            self._complete(state)
 
-    def _send_result(self, state: _KeyState) -> None:
+    def _complete(self, state: _KeyState) -> None:
+        """Every worker that still trains has pushed: send the sum (rescaled if some joined)."""
+        if self.timeline is not None:
+            self.timeline.span(f"key {state.spec.key} ({', '.join(state.spec.names[:2])})", "server",
+                               state.first_push_at, time.monotonic())
+        if state.count < self.workers:
+            # Joined workers count as zero contributions; workers divide by W, so the result
+            # becomes the average over the workers that did contribute.
+            state.acc.mul_(self.workers / state.count)
+        if state.out is not state.acc:
+            state.out.copy_(state.acc)
+        dests = sorted(state.arrived)  # joined workers posted no receive for this round
+        state.count = 0
+        state.arrived = set()
+        if self._delay_per_byte and not state.spec.names[0].startswith("calibration."):
+            heapq.heappush(self._delayed, (time.monotonic() + state.spec.nbytes * self._delay_per_byte,
+                                           state.spec.key, dests))
+        else:
+            self._send_result(state, dests)
+
+    def _on_join(self, source: int) -> None:
+        self.joined.add(source)
+        self.last_joined = source
+        for state in self.keys.values():
+            if state.count and state.count == self.workers - len(self.joined - state.arrived):
+                self._complete(state)
+        if len(self.joined) == self.workers:
+            for worker in range(self.workers):
+                self.comm.send({"op": "all_joined", "last": self.last_joined}, dest=worker, tag=TAG_REPLY)
+            self.joined = set()
+
+    def _send_result(self, state: _KeyState, dests: list[int]) -> None:
         buf = as_mpi_buffer(state.out)
         tag = KEY_TAG_BASE + state.spec.key
-        state.sends = [self.comm.Isend(buf, dest=w, tag=tag) for w in range(self.workers)]
+        state.sends = [self.comm.Isend(buf, dest=w, tag=tag) for w in dests]
 
     def _send_due(self) -> None:
         now = time.monotonic()
         while self._delayed and self._delayed[0][0] <= now:
-            _, key = heapq.heappop(self._delayed)
-            self._send_result(self.keys[key])
+            _, key, dests = heapq.heappop(self._delayed)
+            self._send_result(self.keys[key], dests)
 
     def _wait_key_sends(self, state: _KeyState) -> None:
         if not state.sends:
@@ -235,6 +260,12 @@ class Server:
 
     def _check_stalls(self, now: float) -> None:
         for state in self.keys.values():
+            if state.count and now - state.first_push_at > self.cfg.timeout_s:
+                missing = sorted(set(range(self.workers)) - state.arrived)
+                log.error("IMerge server %d: %s waited %.0f s (timeout_s) for worker(s) %s (tensors: %s); they are "
+                          "dead or stuck: aborting the job", self.index, state.spec.describe(),
+                          now - state.first_push_at, missing, ", ".join(state.spec.names))
+                MPI.COMM_WORLD.Abort(3)
             if state.count and not state.warned and now - state.first_push_at > self.cfg.stall_warning_s:
                 state.warned = True
                 missing = sorted(set(range(self.workers)) - state.arrived)

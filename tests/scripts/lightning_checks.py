@@ -13,7 +13,6 @@ it did; server ranks report what each entry point returned there.
 """
 
 import argparse
-import faulthandler, signal; faulthandler.register(signal.SIGUSR1, all_threads=True)  # DEBUG
 import json
 import math
 import os
@@ -108,7 +107,8 @@ class TwoNets(pl.LightningModule):
             opt.step()
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.a.parameters(), lr=0.1, momentum=0.5), torch.optim.Adam(self.b.parameters(), lr=0.01)
+        return (torch.optim.SGD(self.a.parameters(), lr=0.1, momentum=0.5),
+                torch.optim.Adam(self.b.parameters(), lr=0.01))
 
 
 class RecordingIO(TorchCheckpointIO):

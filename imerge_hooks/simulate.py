@@ -1,0 +1,814 @@
+"""Discrete-event simulator of IMerge training iterations (no MPI, no torch): what-if at scale.
+
+Given per-layer compute times (a :class:`ModelSpec`, e.g. from ``benchmarks/profiles/*.json``)
+and a cluster (:class:`ClusterSpec`), :func:`simulate` replays ``iterations`` training
+iterations of every worker under one schedule and returns the steady-state iteration time,
+the throughput and a timeline (:meth:`SimResult.to_chrome_trace` writes it for Perfetto)::
+
+    from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
+    model = ModelSpec.from_profile_json("benchmarks/profiles/resnet50-cuda.json")
+    cluster = ClusterSpec(workers=16, servers=4, bandwidth_Bps=1.25e9, startup_s=50e-6)
+    for schedule in ("wfbp", "adaptive-ps", "imerge"):
+        print(schedule, simulate(model, cluster, schedule).throughput)
+
+What is modelled (and how; each choice mirrors the runtime in ``engine``/``scheduler``/``server``):
+
+* **Compute.** Each worker runs the forward of layers 0..L-1, then the backward of layers
+  L-1..0, one after another; times are the spec's times times ``ClusterSpec.time_scale``.
+  A tensor's gradient is ready when its layer's backward ends; the gradient-ready order is
+  reverse registration order (ties inside a layer: later-registered first, as the profiler).
+* **Plan.** Groups come from :func:`imerge_hooks.planner.plan` on the tensors in ready order,
+  with ready times measured from the start of backward (``none`` for default/wfbp/priority:
+  one group per tensor). ``mgwfbp`` and ``optimal`` need a cost model: ``cost_model`` or, when
+  None, :func:`calibrate_model` (what ``python -m imerge_hooks.calibrate`` would measure on
+  the simulated cluster); ``mgwfbp`` gets the alpha-beta line fitted to a PSModel's table,
+  as ``replan`` does.
+* **Keys and placement.** ``priority``/``imerge`` cut each group into keys of at most
+  ``partition_bytes`` (by bytes; the runtime cuts by elements, the same for 4-byte floats and
+  a power-of-two partition size); other schedules send a group as one key. Keys are placed
+  round-robin over the servers in plan order, the counter running on across groups.
+* **Worker send queue** (``CommThread``). ``default`` submits every group, in plan order,
+  after the whole backward; other schedules submit a group as soon as all its tensors are
+  ready. A submitted group's keys enter a ready queue: FIFO, or lowest ``priority`` first
+  (the group's smallest tensor index = its front-most layer) when the schedule has priority.
+  With ``stagger`` worker r rotates each group's key sequence to start at server r % S.
+  Partitioned schedules keep at most ``credit_bytes`` of pushes in flight (always at least
+  one; head-of-line: the next key waits until it fits); credit returns when a push has been
+  delivered to the server. Non-partitioned schedules have no credit limit.
+* **Network: fluid, max-min fair (processor sharing).** Every host has an egress and an
+  ingress link of ``bandwidth_Bps`` (workers: push out / pull in; servers: push in / result
+  out). A message in flight is a flow through its sender's egress and its receiver's
+  ingress; the rates of all flows are the max-min fair allocation over all links,
+  recomputed whenever a flow starts or ends (like TCP through netlab's shaped ports). Between
+  one sender and one receiver messages go in order, one at a time (one MPI connection per
+  pair: MPI's non-overtaking rule), so at most one flow per (sender, receiver) pair.
+  No propagation latency (fold it into ``startup_s``).
+* **Server.** Each push, once delivered, costs ``startup_s`` of the server's single thread
+  (the Python loop's per-message probe/receive/sum work), FIFO over all workers' pushes, so a
+  W-way incast pays W startups in a row. When a key has all W pushes the server sends the sum
+  to all W workers at once (W flows sharing its egress). Results cost no server time.
+* **Completion and the next iteration.** A group is done at a worker when all its keys'
+  results arrived there. Without overlap the worker's next forward starts when all its groups
+  are done; with overlap (``imerge``) the forward of each layer waits only for the groups
+  holding that layer's tensors (front layers first). Update and optimizer time are ignored.
+
+``SimResult.iteration_s`` is the time between consecutive starts of layer 0's forward (the
+latest worker), averaged over all iterations but the first (the first one starts with no
+communication pending); with ``iterations=1`` it is that single iteration.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import json
+import math
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SCHEDULE_TRAITS, SCHEDULES
+from .costmodel import CostModel, LinearModel, PSModel
+from .planner import Plan, plan
+
+_MiB = 1 << 20
+# Sizes that calibrate_model "measures" (the grid of imerge_hooks.calibrate: 1 KiB .. 64 MiB).
+CALIBRATION_GRID = tuple(1024 * 4 ** i for i in range(9))
+EVENT_KINDS = ("forward", "backward", "push", "pull", "wait", "update")
+
+# Events closer than this (seconds) count as simultaneous: they are handled as one batch before
+# flow rates are recomputed (symmetric workers make many events coincide).
+_EPS_T = 1e-12
+
+
+# ---------------------------------------------------------------------------------- specs
+@dataclass
+class LayerSpec:
+    """One layer: its parameter tensors' sizes (bytes, registration order) and compute times (s)."""
+
+    name: str
+    param_bytes: list[int]
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class ModelSpec:
+    """A model as the simulator sees it: layers in forward (registration) order."""
+
+    layers: list[LayerSpec]
+    batch_size: int
+    name: str = "model"
+
+    @classmethod
+    def from_profile_json(cls, path: str | os.PathLike[str]) -> ModelSpec:
+        """Read a profile of ``benchmarks/make_profiles.py``::
+
+            {"model": str, "device": str, "batch_size": int,
+             "layers": [{"name": ..., "forward_s": ..., "backward_s": ...,
+                         "params": [{"name": ..., "shape": [...], "bytes": int}]}]}
+
+        Other top-level keys are ignored.
+        """
+        path = os.fspath(path)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"IMerge simulate: {path} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+            raise ValueError(f"IMerge simulate: {path} is not a profile (no 'layers' list)")
+        layers = []
+        for i, layer in enumerate(data["layers"]):
+            try:
+                layers.append(LayerSpec(name=str(layer["name"]),
+                                        param_bytes=[int(p["bytes"]) for p in layer.get("params", [])],
+                                        forward_s=float(layer["forward_s"]),
+                                        backward_s=float(layer["backward_s"])))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"IMerge simulate: {path}: layer {i} ({layer.get('name', '?') if isinstance(layer, dict) else layer!r}) "
+                                 f"is malformed: missing or bad {exc}") from None
+        if "batch_size" not in data:
+            raise ValueError(f"IMerge simulate: {path}: profile has no 'batch_size'")
+        spec = cls(layers=layers, batch_size=int(data["batch_size"]),
+                   name=str(data.get("model", os.path.splitext(os.path.basename(path))[0])))
+        spec.check()
+        return spec
+
+    @property
+    def tensor_bytes(self) -> list[int]:
+        """Bytes of every tensor, in registration order (layer by layer)."""
+        return [b for layer in self.layers for b in layer.param_bytes]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.tensor_bytes)
+
+    def check(self) -> None:
+        """Raise ValueError (naming the layer) for an unusable spec."""
+        if not self.layers:
+            raise ValueError(f"IMerge simulate: model {self.name!r} has no layers")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"IMerge simulate: batch_size must be an int >= 1, got {self.batch_size!r}")
+        for i, layer in enumerate(self.layers):
+            where = f"IMerge simulate: model {self.name!r} layer {i} ({layer.name!r})"
+            for what in ("forward_s", "backward_s"):
+                v = getattr(layer, what)
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                    raise ValueError(f"{where}: {what} must be a finite number >= 0, got {v!r}")
+            for b in layer.param_bytes:
+                if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                    raise ValueError(f"{where}: param_bytes must be ints >= 0, got {layer.param_bytes!r}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """W workers and S servers, one NIC each.
+
+    ``bandwidth_Bps``: bytes/s of every host's NIC, in each direction. ``startup_s``: the
+    server's serial work per push message (see the module doc). ``time_scale``: factor on
+    the model's compute times (replay a profile as a faster or slower device).
+    """
+
+    workers: int
+    servers: int
+    bandwidth_Bps: float
+    startup_s: float
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for what in ("workers", "servers"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be an int >= 1, got {v!r}")
+        for what, positive in (("bandwidth_Bps", True), ("startup_s", False), ("time_scale", True)):
+            v = getattr(self, what)
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                  and (v > 0 if positive else v >= 0))
+            if not ok:
+                raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be a finite number "
+                                 f"{'> 0' if positive else '>= 0'}, got {v!r}")
+
+    @classmethod
+    def from_psmodel(cls, model: PSModel, time_scale: float = 1.0) -> ClusterSpec:
+        """The cluster whose :func:`calibrate_model` gives ``model``'s fit (``a``, ``bandwidth``).
+
+        In the simulator the calibration pattern costs ``T(m) = W*startup + 2*max(W/S, 1)*m/B``
+        (W serial startups; push then result, each limited by the busier side), so
+        ``startup_s = a / W`` and ``bandwidth_Bps = 2 * bandwidth * max(1, S/W)``. For a table
+        measured on a real cluster this is the simulator's best reading of it.
+        """
+        w, s = model.workers, model.servers
+        return cls(workers=w, servers=s, bandwidth_Bps=2.0 * model.bandwidth * max(1.0, s / w),
+                   startup_s=model.a / w, time_scale=time_scale)
+
+
+@dataclass(slots=True)
+class Event:
+    """One span of the timeline. ``track``: "worker r" or "server s"; ``kind``: see EVENT_KINDS.
+
+    ``nbytes``: bytes moved (push/pull spans). Worker push/pull spans and server push/pull
+    spans are the transfer itself (from the first to the last byte); server ``update`` spans
+    are the per-message work (``startup_s``).
+    """
+
+    track: str
+    name: str
+    start: float
+    end: float
+    kind: str
+    nbytes: int = 0
+
+
+@dataclass
+class KeyInfo:
+    """One key of the layout: its group, bytes and server."""
+
+    group: int
+    nbytes: int
+    server: int
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` found. Times in seconds, throughput in samples/s."""
+
+    schedule: str
+    iteration_s: float
+    throughput: float
+    iteration_times: list[float]  # start-to-start of layer 0's forward, every iteration
+    timeline: list[Event]
+    groups: list[list[int]]  # tensor indices (registration order), in send order
+    keys: list[KeyInfo]
+    workers: int
+    servers: int
+    plan: Plan | None = None  # the planner's output (ready-order indices), planned schedules only
+    cost_model: Any = None  # the model the plan was made with
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def server_push_bytes(self) -> list[int]:
+        """Bytes each server receives per iteration (all workers' pushes)."""
+        load = [0] * self.servers
+        for k in self.keys:
+            load[k.server] += k.nbytes * self.workers
+        return load
+
+    def events(self, kind: str | None = None, track: str | None = None) -> list[Event]:
+        """Timeline events, optionally only one kind and/or one track."""
+        return [e for e in self.timeline if (kind is None or e.kind == kind) and (track is None or e.track == track)]
+
+    def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write the timeline as Chrome-trace JSON (open in https://ui.perfetto.dev).
+
+        One process (pid) per track ("worker r", then "server s"), as ``imerge_hooks.timeline``
+        does; inside it one thread per lane: "compute" (forward, backward, wait), "push",
+        "update", "pull", with extra lanes ("push 1", ...) for spans that overlap in time.
+        ``cat`` is the event kind, ``ts``/``dur`` in microseconds, ``args.bytes`` for transfers.
+        """
+        tracks = [f"worker {r}" for r in range(self.workers)] + [f"server {s}" for s in range(self.servers)]
+        pid_of = {t: i for i, t in enumerate(tracks)}
+        lane_kind = {"forward": "compute", "backward": "compute", "wait": "compute",
+                     "push": "push", "update": "update", "pull": "pull"}
+        lane_order = ["compute", "push", "update", "pull"]
+        trace: list[dict[str, Any]] = []
+        for track, pid in pid_of.items():
+            trace.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": track}})
+            trace.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+        by_lane: dict[tuple[str, str], list[Event]] = {}
+        for e in self.timeline:
+            by_lane.setdefault((e.track, lane_kind.get(e.kind, e.kind)), []).append(e)
+        for track in tracks:
+            tid = 0
+            for kind in lane_order + sorted({k for t, k in by_lane if t == track} - set(lane_order)):
+                events = sorted(by_lane.get((track, kind), []), key=lambda e: (e.start, e.end))
+                ends: list[float] = []  # greedy interval colouring: spans in one lane never overlap
+                lanes: list[int] = []
+                for e in events:
+                    lane = next((i for i, end in enumerate(ends) if end <= e.start + _EPS_T), None)
+                    if lane is None:
+                        lane = len(ends)
+                        ends.append(e.end)
+                    ends[lane] = e.end
+                    lanes.append(lane)
+                for i in range(len(ends)):
+                    trace.append({"ph": "M", "name": "thread_name", "pid": pid_of[track], "tid": tid + i,
+                                  "args": {"name": kind if i == 0 else f"{kind} {i}"}})
+                for e, lane in zip(events, lanes):
+                    item: dict[str, Any] = {"ph": "X", "name": e.name, "cat": e.kind, "pid": pid_of[track],
+                                            "tid": tid + lane, "ts": e.start * 1e6,
+                                            "dur": max(0.0, e.end - e.start) * 1e6}
+                    if e.nbytes:
+                        item["args"] = {"bytes": e.nbytes}
+                    trace.append(item)
+                tid += len(ends)
+        directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
+                       "otherData": {"schedule": self.schedule, "iteration_s": self.iteration_s,
+                                     "throughput": self.throughput}}, f)
+
+
+# ---------------------------------------------------------------------------------- engine
+_FWD, _BWD, _GATE, _FLUSH, _MARK = range(5)
+_EV_COMPUTE, _EV_NET, _EV_CPU = range(3)
+
+
+@dataclass(eq=False, slots=True)
+class _Msg:
+    """A push (worker -> server) or a result (server -> worker) of one key."""
+
+    push: bool
+    worker: int
+    server: int
+    key: int
+    nbytes: int
+    links: tuple[int, int]  # (sender's egress link, receiver's ingress link)
+    remaining: float = 0.0
+    rate: float = 0.0
+    start: float = 0.0
+    stamp: int = -1
+    fid: int = -1
+
+
+@dataclass(slots=True)
+class _Worker:
+    ptr: int = 0
+    ready: list = field(default_factory=list)  # heap of (priority, seq, key)
+    in_flight: int = 0  # push bytes not yet delivered
+    missing: set = field(default_factory=set)  # groups the current gate still waits for
+    wait_start: float = 0.0
+    op_start: float = 0.0
+
+
+class _Sim:
+    """The event loop. Hosts' links: worker r egress r, ingress W+r; server s ingress 2W+s, egress 2W+S+s."""
+
+    def __init__(self, *, fwd: Sequence[float], bwd: Sequence[float], layer_names: Sequence[str],
+                 layer_tensors: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                 group_keys: Sequence[Sequence[int]], key_bytes: Sequence[int], key_server: Sequence[int],
+                 workers: int, servers: int, bandwidth: float, startup: float, priority: bool, stagger: bool,
+                 credit: int | None, push_after_backward: bool, overlap: bool, iterations: int,
+                 record: bool = True) -> None:
+        self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
+        self.fwd, self.bwd, self.layer_names = list(fwd), list(bwd), list(layer_names)
+        self.layer_tensors = [list(t) for t in layer_tensors]
+        self.groups = [list(g) for g in groups]
+        self.group_keys = [list(k) for k in group_keys]
+        self.key_bytes, self.key_server = list(key_bytes), list(key_server)
+        self.key_group = [0] * len(key_bytes)
+        for g, keys in enumerate(self.group_keys):
+            for k in keys:
+                self.key_group[k] = g
+        n_tensors = sum(len(t) for t in self.layer_tensors)
+        self.tensor_group = [0] * n_tensors
+        for g, members in enumerate(self.groups):
+            for i in members:
+                self.tensor_group[i] = g
+        self.group_prio = [min(g) if g else 0 for g in self.groups]
+        self.priority, self.stagger, self.credit = priority, stagger, credit
+        self.push_after_backward, self.iterations = push_after_backward, iterations
+        self.record = record
+        G, L = len(self.groups), len(self.layer_tensors)
+        # Gates: before layer l's forward of iteration it > 0, these groups must have finished round it-1.
+        if overlap:
+            self.gate = [sorted({self.tensor_group[i] for i in self.layer_tensors[layer]}) for layer in range(L)]
+        else:
+            self.gate = [list(range(G))] + [[] for _ in range(L - 1)]
+        ops: list[tuple[int, int, int]] = []
+        for it in range(iterations):
+            for layer in range(L):
+                if it > 0 and self.gate[layer]:
+                    ops.append((_GATE, layer, it))
+                ops.append((_FWD, layer, it))
+            for layer in reversed(range(L)):
+                ops.append((_BWD, layer, it))
+            if push_after_backward:
+                ops.append((_FLUSH, 0, it))
+        ops += [(_GATE, 0, iterations), (_MARK, 0, iterations)]
+        self.ops = ops
+        W = workers
+        self.workers = [_Worker() for _ in range(W)]
+        self.arrived = [[0] * G for _ in range(W)]
+        self.pending = [[0] * G for _ in range(W)]
+        self.done_round = [[0] * G for _ in range(W)]
+        self.starts = [[math.nan] * (iterations + 1) for _ in range(W)]
+        self.cpu_free = [0.0] * servers
+        self.key_count = [0] * len(key_bytes)
+        self.channels: dict[tuple[int, int], deque[_Msg]] = {}
+        self.flows: dict[int, _Msg] = {}  # active flows by id (insertion order: deterministic)
+        self.net_t = 0.0
+        self.net_dirty = False
+        self.net_version = 0
+        self.stamp = 0
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.fid = itertools.count()
+        self.now = 0.0
+        self.timeline: list[Event] = []
+        self.wtrack = [f"worker {r}" for r in range(W)]
+        self.strack = [f"server {s}" for s in range(servers)]
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> None:
+        for r in range(self.W):
+            self._advance(r)
+        heap = self.heap
+        while True:
+            # Flow rates are recomputed once per batch of simultaneous events.
+            if self.net_dirty and (not heap or heap[0][0] > self.now + _EPS_T):
+                self._reschedule_net()
+            if not heap:
+                break
+            t, _, code, payload = heapq.heappop(heap)
+            if code == _EV_NET and payload != self.net_version:
+                continue  # superseded by a later rate computation
+            self.now = t
+            if code == _EV_COMPUTE:
+                self._compute_done(payload)
+            elif code == _EV_NET:
+                self._net_event()
+            else:
+                self._cpu_done(*payload)
+        stuck = [r for r, w in enumerate(self.workers) if w.ptr < len(self.ops)]
+        if stuck:  # cannot happen for a valid layout; a clear message beats a silent NaN
+            raise RuntimeError(f"IMerge simulate internal: workers {stuck} did not finish "
+                               f"(waiting for groups {sorted(self.workers[stuck[0]].missing)})")
+
+    def _push_event(self, t: float, code: int, payload: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), code, payload))
+
+    # ------------------------------------------------------------------ workers: compute
+    def _advance(self, r: int) -> None:
+        """Run worker r's ops until it computes (an event is scheduled), waits at a gate, or ends."""
+        w = self.workers[r]
+        ops = self.ops
+        while w.ptr < len(ops):
+            code, layer, it = ops[w.ptr]
+            if code == _GATE:
+                done = self.done_round[r]
+                missing = {g for g in self.gate[layer] if done[g] < it}
+                if missing:
+                    w.missing = missing
+                    w.wait_start = self.now
+                    return
+                w.ptr += 1
+            elif code == _FLUSH:
+                for g in range(len(self.groups)):
+                    self._submit(r, g)
+                w.ptr += 1
+            elif code == _MARK:
+                self.starts[r][it] = self.now
+                w.ptr += 1
+            else:
+                if code == _FWD and layer == 0:
+                    self.starts[r][it] = self.now
+                w.op_start = self.now
+                dur = self.fwd[layer] if code == _FWD else self.bwd[layer]
+                self._push_event(self.now + dur, _EV_COMPUTE, r)
+                return
+
+    def _compute_done(self, r: int) -> None:
+        w = self.workers[r]
+        code, layer, it = self.ops[w.ptr]
+        if self.record:
+            kind = "forward" if code == _FWD else "backward"
+            self.timeline.append(Event(self.wtrack[r], f"{kind} {self.layer_names[layer]}", w.op_start,
+                                       self.now, kind))
+        w.ptr += 1
+        if code == _BWD:
+            arrived = self.arrived[r]
+            for i in self.layer_tensors[layer]:
+                g = self.tensor_group[i]
+                arrived[g] += 1
+                if not self.push_after_backward and arrived[g] == len(self.groups[g]):
+                    self._submit(r, g)
+        self._advance(r)
+
+    def _group_done(self, r: int, g: int) -> None:
+        self.done_round[r][g] += 1
+        w = self.workers[r]
+        if g in w.missing:
+            w.missing.discard(g)
+            if not w.missing:
+                if self.record and self.now > w.wait_start:
+                    self.timeline.append(Event(self.wtrack[r], "wait for gradients", w.wait_start, self.now, "wait"))
+                w.ptr += 1
+                self._advance(r)
+
+    # ------------------------------------------------------------------ workers: send queue
+    def _submit(self, r: int, g: int) -> None:
+        self.arrived[r][g] = 0
+        keys = self.group_keys[g]
+        if not keys:
+            self._group_done(r, g)
+            return
+        self.pending[r][g] = len(keys)
+        if self.stagger and self.S > 1 and len(keys) > 1:
+            want = r % self.S
+            first = next((i for i, k in enumerate(keys) if self.key_server[k] == want), 0)
+            keys = keys[first:] + keys[:first]
+        prio = self.group_prio[g] if self.priority else 0
+        ready = self.workers[r].ready
+        for k in keys:
+            heapq.heappush(ready, (prio, next(self.seq), k))
+        self._pump(r)
+
+    def _pump(self, r: int) -> None:
+        w = self.workers[r]
+        ready, credit = w.ready, self.credit
+        while ready and (credit is None or w.in_flight == 0 or w.in_flight + self.key_bytes[ready[0][2]] <= credit):
+            _, _, k = heapq.heappop(ready)
+            nbytes = self.key_bytes[k]
+            w.in_flight += nbytes
+            s = self.key_server[k]
+            self._send(_Msg(True, r, s, k, nbytes, (r, 2 * self.W + s)))
+
+    # ------------------------------------------------------------------ servers
+    def _cpu_done(self, s: int, k: int, r: int) -> None:
+        self.key_count[k] += 1
+        if self.key_count[k] < self.W:
+            return
+        self.key_count[k] = 0
+        egress = 2 * self.W + self.S + s
+        nbytes = self.key_bytes[k]
+        for worker in range(self.W):
+            self._send(_Msg(False, worker, s, k, nbytes, (egress, self.W + worker)))
+
+    def _delivered(self, m: _Msg) -> None:
+        if self.record:
+            who = f"key {m.key} (group {self.key_group[m.key]})"
+            if m.push:
+                self.timeline.append(Event(self.wtrack[m.worker], f"push {who} to server {m.server}",
+                                           m.start, self.now, "push", m.nbytes))
+                self.timeline.append(Event(self.strack[m.server], f"push {who} from worker {m.worker}",
+                                           m.start, self.now, "push", m.nbytes))
+            else:
+                self.timeline.append(Event(self.strack[m.server], f"result {who} to worker {m.worker}",
+                                           m.start, self.now, "pull", m.nbytes))
+                self.timeline.append(Event(self.wtrack[m.worker], f"result {who} from server {m.server}",
+                                           m.start, self.now, "pull", m.nbytes))
+        if m.push:
+            w = self.workers[m.worker]
+            w.in_flight -= m.nbytes
+            self._pump(m.worker)
+            s = m.server
+            start = max(self.now, self.cpu_free[s])
+            end = start + self.startup
+            self.cpu_free[s] = end
+            if self.record and end > start:
+                self.timeline.append(Event(self.strack[s], f"sum key {m.key} from worker {m.worker}",
+                                           start, end, "update"))
+            self._push_event(end, _EV_CPU, (s, m.key, m.worker))
+        else:
+            g = self.key_group[m.key]
+            left = self.pending[m.worker][g] - 1
+            self.pending[m.worker][g] = left
+            if left == 0:
+                self._group_done(m.worker, g)
+
+    # ------------------------------------------------------------------ network (fluid, max-min fair)
+    def _net_advance(self) -> None:
+        dt = self.now - self.net_t
+        if dt > 0:
+            for f in self.flows.values():
+                f.remaining -= f.rate * dt
+        self.net_t = self.now
+
+    def _send(self, m: _Msg) -> None:
+        queue = self.channels.get(m.links)
+        if queue is None:
+            queue = self.channels[m.links] = deque()
+        queue.append(m)
+        if len(queue) == 1:
+            self._start_flow(m)
+
+    def _start_flow(self, m: _Msg) -> None:
+        self._net_advance()
+        m.remaining = float(m.nbytes)
+        m.rate = 0.0
+        m.start = self.now
+        m.fid = next(self.fid)
+        self.flows[m.fid] = m
+        self.net_dirty = True
+
+    def _net_event(self) -> None:
+        self._net_advance()
+        done = [f for f in self.flows.values() if f.remaining <= f.rate * 1e-10 + f.nbytes * 1e-12]
+        if not done:  # rounding: the flow this event was scheduled for is due now
+            done = [min(self.flows.values(), key=lambda f: f.remaining / f.rate)]
+        self.net_dirty = True
+        for f in done:
+            del self.flows[f.fid]
+        for f in done:
+            queue = self.channels[f.links]
+            queue.popleft()
+            if queue:
+                self._start_flow(queue[0])
+        for f in done:
+            self._delivered(f)
+
+    def _reschedule_net(self) -> None:
+        self._net_advance()
+        self._max_min()
+        self.net_dirty = False
+        self.net_version += 1
+        if self.flows:
+            dt = min(f.remaining / f.rate for f in self.flows.values())
+            self._push_event(self.now + max(dt, 0.0), _EV_NET, self.net_version)
+
+    def _max_min(self) -> None:
+        """Max-min fair rates by progressive filling (every link has capacity B).
+
+        Each round finds the smallest fair share (remaining capacity / unfrozen flows) over
+        the links and freezes every flow of every link at that share; symmetric workers make
+        many links tie, so a handful of rounds suffice.
+        """
+        flows = self.flows
+        if not flows:
+            return
+        self.stamp += 1
+        stamp = self.stamp
+        members: dict[int, list[_Msg]] = {}
+        for f in flows.values():
+            for link in f.links:
+                lst = members.get(link)
+                if lst is None:
+                    members[link] = [f]
+                else:
+                    lst.append(f)
+        count = {link: len(lst) for link, lst in members.items()}
+        cap = dict.fromkeys(members, self.B)
+        live = list(members)
+        while live:
+            share = min(cap[link] / count[link] for link in live)
+            limit = share * (1.0 + 1e-12)
+            for link in [link for link in live if cap[link] / count[link] <= limit]:
+                if count[link] == 0:
+                    continue
+                for f in members[link]:
+                    if f.stamp == stamp:
+                        continue
+                    f.stamp = stamp
+                    f.rate = share
+                    for other in f.links:
+                        left = cap[other] - share
+                        cap[other] = left if left > 0.0 else 0.0
+                        count[other] -= 1
+            live = [link for link in live if count[link] > 0]
+        for f in flows.values():  # a flow squeezed to zero by rounding must still progress
+            if f.rate <= 0.0:
+                f.rate = self.B * 1e-9
+
+
+# ---------------------------------------------------------------------------------- layout
+def _cut(nbytes: int, partition_bytes: int | None) -> list[int]:
+    if nbytes <= 0:
+        return []
+    if partition_bytes is None:
+        return [nbytes]
+    return [min(partition_bytes, nbytes - start) for start in range(0, nbytes, partition_bytes)]
+
+
+def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_bytes: int | None,
+            servers: int) -> tuple[list[list[int]], list[KeyInfo]]:
+    """Keys of every group (cut at ``partition_bytes``), placed round-robin as ``layout.Placement``."""
+    group_keys: list[list[int]] = []
+    keys: list[KeyInfo] = []
+    nxt = 0
+    for g, members in enumerate(groups):
+        ids = []
+        for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes):
+            ids.append(len(keys))
+            keys.append(KeyInfo(g, nbytes, nxt))
+            nxt = (nxt + 1) % servers
+        group_keys.append(ids)
+    return group_keys, keys
+
+
+def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInfo], group_keys, cluster: ClusterSpec,
+              priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
+              iterations: int, record: bool) -> _Sim:
+    return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
+                group_keys=group_keys, key_bytes=[k.nbytes for k in keys], key_server=[k.server for k in keys],
+                workers=cluster.workers, servers=cluster.servers, bandwidth=cluster.bandwidth_Bps,
+                startup=cluster.startup_s, priority=priority, stagger=stagger, credit=credit,
+                push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record)
+
+
+# ---------------------------------------------------------------------------------- public API
+def calibrate_model(cluster: ClusterSpec, sizes: Sequence[int] | None = None) -> PSModel:
+    """The PSModel ``imerge_hooks.calibrate`` would measure on the simulated cluster.
+
+    Every worker pushes and pulls m bytes at once, cut into one key per server (as the real
+    calibration), for m on ``sizes`` (default :data:`CALIBRATION_GRID`); T(m) is the time until
+    every worker has every result; the table is fitted with :meth:`PSModel.fit`.
+    """
+    grid = tuple(int(m) for m in (sizes if sizes is not None else CALIBRATION_GRID))
+    if not grid or any(m <= 0 for m in grid) or any(b <= a for a, b in zip(grid, grid[1:])):
+        raise ValueError(f"IMerge simulate: calibration sizes must be positive and increasing, got {list(grid)}")
+    return _calibrate_cached(cluster, grid)
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
+    times = []
+    for m in grid:
+        numel = max(1, m // 4)
+        per = -(-numel // cluster.servers)
+        keys = [KeyInfo(0, (min(numel, s + per) - s) * 4, i % cluster.servers)
+                for i, s in enumerate(range(0, numel, per))]
+        sim = _make_sim(fwd=[0.0], bwd=[0.0], layer_names=["calibration"], layer_tensors=[[0]], groups=[[0]],
+                        keys=keys, group_keys=[list(range(len(keys)))], cluster=cluster, priority=False,
+                        stagger=False, credit=None, push_after_backward=False, overlap=False, iterations=1,
+                        record=False)
+        sim.run()
+        times.append(max(s[1] - s[0] for s in sim.starts))
+    return PSModel.fit(cluster.workers, cluster.servers, list(grid), times)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"IMerge simulate: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = 4 * _MiB,
+             credit_bytes: int = 64 * _MiB, fusion_threshold_bytes: int = 25 * _MiB,
+             cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
+             timeline: bool = True) -> SimResult:
+    """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
+
+    ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
+    (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
+    ``partition_bytes``/``credit_bytes`` matter for partitioned schedules (priority, imerge),
+    ``fusion_threshold_bytes`` for ``threshold``. ``cost_model``: what the planner of
+    mgwfbp/adaptive-ps/imerge uses (anything with ``.time(nbytes)``); None: the
+    :func:`calibrate_model` of ``cluster``. ``overlap_forward``: as ``Config.overlap_forward``
+    (None: as the schedule says). ``timeline=False`` skips recording events (faster for
+    sweeps; ``SimResult.timeline`` is then empty). See the module doc for the model.
+    """
+    if schedule not in SCHEDULE_TRAITS:
+        raise ValueError(f"IMerge simulate: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if not isinstance(model, ModelSpec):
+        raise ValueError(f"IMerge simulate: model must be a ModelSpec, got {type(model).__name__}")
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(f"IMerge simulate: cluster must be a ClusterSpec, got {type(cluster).__name__}")
+    model.check()
+    for name, value in (("partition_bytes", partition_bytes), ("credit_bytes", credit_bytes),
+                        ("fusion_threshold_bytes", fusion_threshold_bytes), ("iterations", iterations)):
+        _positive_int(name, value)
+    if cost_model is not None and not callable(getattr(cost_model, "time", None)):
+        raise ValueError("IMerge simulate: cost_model needs a time(nbytes) method")
+    traits = SCHEDULE_TRAITS[schedule]
+    scale = cluster.time_scale
+    fwd = [layer.forward_s * scale for layer in model.layers]
+    bwd = [layer.backward_s * scale for layer in model.layers]
+    sizes = model.tensor_bytes
+    layer_tensors: list[list[int]] = []
+    ready_at: list[float] = []  # from the start of backward: layer l is ready after layers L-1..l
+    suffix = list(itertools.accumulate(reversed(bwd)))[::-1]
+    start = 0
+    for index, layer in enumerate(model.layers):
+        n = len(layer.param_bytes)
+        layer_tensors.append(list(range(start, start + n)))
+        ready_at += [suffix[index]] * n
+        start += n
+    order = list(reversed(range(len(sizes))))  # ready order (ties inside a layer: later-registered first)
+    plan_result: Plan | None = None
+    used_model: Any = None
+    if traits.planner == "none" or not sizes:
+        groups = [[i] for i in order]
+    else:
+        if traits.planner == "threshold":
+            used_model = cost_model if cost_model is not None else LinearModel(0.0, 0.0)
+        else:
+            used_model = cost_model if cost_model is not None else calibrate_model(cluster)
+        planner_model = used_model
+        if traits.planner == "mgwfbp" and isinstance(used_model, PSModel):
+            planner_model = LinearModel.fit(used_model.sizes, used_model.times)  # as replan.cost_model_for
+        plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], planner_model, traits.planner,
+                           fusion_threshold_bytes=fusion_threshold_bytes)
+        groups = [[order[j] for j in g] for g in plan_result.groups]
+    group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
+    sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
+                    layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
+                    priority=traits.priority, stagger=traits.stagger,
+                    credit=credit_bytes if traits.partition else None,
+                    push_after_backward=traits.push_after_backward,
+                    overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
+                    iterations=iterations, record=timeline)
+    sim.run()
+    starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
+    per_iteration = [b - a for a, b in zip(starts, starts[1:])]
+    steady = per_iteration[1:] if len(per_iteration) > 1 else per_iteration
+    iteration_s = sum(steady) / len(steady)
+    throughput = cluster.workers * model.batch_size / iteration_s if iteration_s > 0 else math.inf
+    events = sorted(sim.timeline, key=lambda e: (e.start, e.end))
+    return SimResult(schedule=schedule, iteration_s=iteration_s, throughput=throughput,
+                     iteration_times=per_iteration, timeline=events, groups=groups, keys=keys,
+                     workers=cluster.workers, servers=cluster.servers, plan=plan_result, cost_model=used_model)
