@@ -2,7 +2,7 @@
 
     python benchmarks/make_profiles.py [--models resnet18,vgg16,alexnet,resnet50] [--device cpu|cuda]
                                        [--batch-size 8] [--image-size 224] [--warmup 2] [--iters 3]
-                                       [--out-dir benchmarks/profiles]
+                                       [--out-dir benchmarks/profiles] [--clock wall|cpu]
 
 For each model (``torchvision.models.<name>(weights=None, num_classes=1000)``, fp32, train mode,
 SGD-style step without the update: forward, cross-entropy loss, backward) it writes
@@ -13,7 +13,7 @@ SGD-style step without the update: forward, cross-entropy loss, backward) it wri
      "layers": [{"name": "conv1", "forward_s": ..., "backward_s": ...,
                  "params": [{"name": "conv1.weight", "shape": [64, 3, 7, 7], "bytes": 37632}]}, ...],
      ... extra top-level keys: forward_s, backward_s, layer_sum_s, timed_iterations, warmup_iterations,
-         method, host, torch_version, torch_threads, total_bytes, num_tensors}
+         method, clock, dtype, host, torch_version, torch_threads, total_bytes, num_tensors}
 
 **Layers** are the modules that own parameters directly (conv, linear, batch norm), in registration
 order (``named_modules()``); parameter names, shapes and bytes (numel * element size) are exact.
@@ -42,8 +42,12 @@ of all layer times equals the iteration (``layer_sum_s``, a sum of per-layer med
 clash with torchvision's in-place ReLUs and would only see the layer's own node, not the gaps.
 
 Each layer time is the median over ``--iters`` timed iterations after ``--warmup`` untimed ones.
-On CPU the default batch is 8 at 224x224 (all four models take about 2 minutes on 2 cores); on
-CUDA the default batch is 32, with ``cudnn.benchmark`` on (the warm-up iterations absorb tuning).
+On CUDA the default batch is 32, with ``cudnn.benchmark`` on (the warm-up iterations absorb tuning).
+On CPU the default batch is 8 at 224x224, and ``--clock`` picks the clock: ``wall`` (default:
+``perf_counter`` with torch's default intra-op threads) or ``cpu`` (process CPU time with one torch
+thread), which stays right when other processes load the machine; the JSON records it under
+``clock`` and ``torch_threads``. The ``*-cpu.json`` files here were made with ``--clock cpu`` on a
+shared 2-core machine: about 85 s of CPU for all four models (VGG-16 ~10 s per iteration).
 """
 
 from __future__ import annotations

@@ -173,6 +173,14 @@ def summarize(times: list[float]) -> dict:
             "max_s": max(times), "n": len(times)}
 
 
+def loadavg() -> list[float] | None:
+    try:
+        with open("/proc/loadavg") as fh:
+            return [float(x) for x in fh.read().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
 def machine_info() -> dict:
     lib = MPI.Get_library_version()
     first = lib.strip().splitlines()[0] if lib.strip() else ""
@@ -180,11 +188,7 @@ def machine_info() -> dict:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
         affinity = None
-    try:
-        with open("/proc/loadavg") as fh:
-            load = fh.read().split()[:3]
-    except OSError:
-        load = None
+    load = loadavg()
     try:
         from importlib.metadata import version
 
@@ -255,10 +259,14 @@ def worker_main(args: argparse.Namespace, raw: MPI.Comm) -> int:
     raw.send(("done",), dest=SERVER, tag=RAW_TAG)
     rows = build_rows(results, sizes)
     print_table(rows)
+    load_end = loadavg()
+    if load_end and load_end[0] > (os.cpu_count() or 1):
+        print(f"warning: 1-min load average {load_end[0]:.1f} on {os.cpu_count()} cores at the end: other processes "
+              "competed for the CPUs (blocking MPI polls spin), the numbers are unreliable")
     out = {
         "benchmark": "transport", "description": __doc__.splitlines()[0],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "duration_s": time.time() - started,
+        "duration_s": time.time() - started, "loadavg_at_end": load_end,
         "args": {"min": args.min, "max": args.max, "iters": args.iters, "warmup": args.warmup,
                  "sweeps": args.sweeps},
         "config": {"schedule": runtime.config().schedule, "num_servers": 1, "workers": 1},

@@ -34,7 +34,8 @@ class DeferredStep:
         self.engine = engine
         self.fired = fired
         self.hparams = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        self.pending: dict[int, int] = {id(p): i for i, p in enumerate(engine.params)}  # id(param) -> index
+        self.pending: dict[int, int] = {id(p): i for i, p in enumerate(engine.params)  # id(param) -> index
+                                        if engine.views[i] is not None}
         self.zero_after_apply = False
         self.lock = threading.RLock()
 
@@ -70,7 +71,7 @@ class DeferredStep:
         for i in indices:
             p = engine.params[i]
             if self.fired[i] == 0:
-                if engine.topo.num_servers and bool(engine.views[i].any()):
+                if not engine.none_when_unused or (engine.topo.num_servers and bool(engine.views[i].any())):
                     p.grad = engine.views[i]
                 elif p.grad is not None:
                     hidden.append((p, p.grad))

@@ -50,9 +50,12 @@ class GradientEngine:
         self.backward_started: float | None = None
         self.last_ready = 0.0
         self.groups: list[Group] = []
-        self.group_of: list[int] = [0] * len(self.params)
+        self.group_of: list[int] = [-1] * len(self.params)
         self.views: list[torch.Tensor] = []
         self.without_gradient: set[int] = set()  # no worker produced a gradient this step
+        # zero_grad(set_to_none=True) semantics: a parameter no worker produced a gradient for has
+        # "no gradient" (skipped by step()); with set_to_none=False it keeps a zero gradient.
+        self.none_when_unused = True
         self.listeners: list = []  # callables(engine) run after each synchronize (profiler, planner)
         self.deferred: DeferredStep | None = None  # overlap_forward: the step being applied in forward
         self._forward_hook = None
@@ -60,7 +63,8 @@ class GradientEngine:
         # (event, module name, monotonic time, detail): for tests and timelines
         self.events: list | None = [] if os.environ.get("IMERGE_RECORD_EVENTS") else None
         # First guess of the ready order: reverse registration order (as DDP assumes).
-        initial = [[i] for i in reversed(range(len(self.params)))]
+        self.trainable = [bool(p.requires_grad) for p in self.params]  # frozen ones sit out of the layout
+        initial = self._one_per_tensor()
         self.set_layout(initial)
         self.replanner = None
         if config.traits.planner != "none":
@@ -74,7 +78,8 @@ class GradientEngine:
         if self.timeline is not None:
             self.timeline.watch_modules(lambda m: any(id(p) in self._index for p in m._parameters.values()
                                                       if p is not None))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks: dict[int, object] = {}
+        self._register_hooks()
 
     # ------------------------------------------------------------------ checks
     def _check_parameters(self) -> None:
@@ -87,13 +92,53 @@ class GradientEngine:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"IMerge: {where}: {name!r} is a {type(p).__name__}, not a tensor")
             dtype_name(p.dtype, name, where)
-            if not p.requires_grad:
-                raise ValueError(f"IMerge: {where}: parameter {name!r} has requires_grad=False; leave frozen "
-                                 "parameters out of the optimizer (or of named_parameters)")
         if len(self._index) != len(self.params):
             raise ValueError(f"IMerge: {where}: the same parameter tensor appears twice in named_parameters")
 
     # ------------------------------------------------------------------ layout
+    def _one_per_tensor(self) -> list[list[int]]:
+        """First guess of the ready order: reverse registration order (as DDP assumes)."""
+        return [[i] for i in reversed(range(len(self.params))) if self.trainable[i]]
+
+    def _register_hooks(self) -> None:
+        for i, p in enumerate(self.params):
+            if self.trainable[i] and i not in self._hooks:
+                self._hooks[i] = p.register_post_accumulate_grad_hook(self._on_grad)
+            elif not self.trainable[i] and i in self._hooks:
+                self._hooks.pop(i).remove()
+
+    def trainable_changed(self) -> bool:
+        return any(bool(p.requires_grad) != t for p, t in zip(self.params, self.trainable))
+
+    def _adopt_trainable(self) -> None:
+        """Layers were frozen or unfrozen: new layout (plan epoch) over the trainable parameters.
+
+        Gradients of newly unfrozen parameters were computed this iteration outside the old
+        layout; their groups are exchanged once more so they are averaged too (already averaged
+        gradients in those groups are identical on all workers and stay what they were).
+        """
+        old = self.trainable
+        self.trainable = [bool(p.requires_grad) for p in self.params]
+        fresh = [i for i, (was, now) in enumerate(zip(old, self.trainable)) if now and not was]
+        self.set_layout(self._one_per_tensor())
+        self._register_hooks()
+        if self.replanner is not None:
+            from .replan import Replanner
+
+            self.listeners.remove(self.replanner)
+            self.replanner = Replanner(self)
+            self.listeners.append(self.replanner)
+        log.info("IMerge worker %d: trainable parameters changed (%d unfrozen); plan epoch %d",
+                 self.topo.worker_rank, len(fresh), self.epoch)
+        if not fresh or self.comm is None:
+            return
+        groups = {self.group_of[i] for i in fresh if self.params[i].grad is not None}
+        for g in sorted(groups):
+            self._submit(self.groups[g])
+        for g in sorted(groups):
+            self.wait_group(self.groups[g])
+            self.groups[g].submitted = False
+
     def set_layout(self, plan: list[list[int]]) -> None:
         """Rebuild groups for ``plan`` (lists of parameter indices, in send order).
 
@@ -103,8 +148,8 @@ class GradientEngine:
         if self.groups and any(g.submitted and not g.done.is_set() for g in self.groups):
             raise IMergeUsageError("IMerge internal: layout change while groups are in flight")
         covered = sorted(i for group in plan for i in group)
-        if covered != list(range(len(self.params))):
-            raise ValueError("IMerge: a plan must list every parameter index exactly once")
+        if covered != [i for i, t in enumerate(self.trainable) if t]:
+            raise ValueError("IMerge: a plan must list every trainable parameter index exactly once")
         old_views = self.views
         placement = Placement(self.topo.num_servers)
         key_ids = iter(runtime.allocate_keys(self._count_keys(plan)))
@@ -124,10 +169,10 @@ class GradientEngine:
             for i in members:
                 p = self.params[i]
                 view = flat[offset:offset + p.numel()].view_as(p)
-                previous = old_views[i] if old_views else p.grad
+                previous = old_views[i] if old_views and old_views[i] is not None else p.grad
                 if previous is not None:
                     view.copy_(previous)
-                if p.grad is not None or old_views:
+                if previous is not None:
                     p.grad = view
                 views[i] = view
                 spans.append((self.names[i], offset, p.numel()))
@@ -236,7 +281,8 @@ class GradientEngine:
     def synchronize(self) -> None:
         """Push what is left, wait for every result, and leave averaged gradients in ``.grad``."""
         self.flush_deferred()
-        if not self.pending_gradients and not any(g.submitted for g in self.groups):
+        changed = self.trainable_changed()
+        if not self.pending_gradients and not any(g.submitted for g in self.groups) and not changed:
             return  # nothing was computed since the last step
         self.push_remaining()
         wait_start = time.monotonic()
@@ -245,6 +291,8 @@ class GradientEngine:
         if self.timeline is not None:
             self.timeline.span("wait for all groups", "wait", wait_start, time.monotonic())
         self.finish_iteration()
+        if changed:
+            self._adopt_trainable()
 
     def _record_backward(self) -> None:
         if self.timeline is not None and self.backward_started is not None:
@@ -254,8 +302,8 @@ class GradientEngine:
         self._record_backward()
         self.without_gradient = set()
         for i, p in enumerate(self.params):
-            if self.counts[i] == 0:
-                if self.topo.num_servers and bool(self.views[i].any()):
+            if self.counts[i] == 0 and self.views[i] is not None:
+                if not self.none_when_unused or (self.topo.num_servers and bool(self.views[i].any())):
                     p.grad = self.views[i]
                 else:
                     self.without_gradient.add(i)
@@ -268,14 +316,15 @@ class GradientEngine:
         for listener in list(self.listeners):
             listener(self)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers in place (gradients stay views into them)."""
+        self.none_when_unused = set_to_none
         if self.deferred is not None:
             # Pending updates still need their gradients: zero each one right after it is applied.
             self.deferred.zero_after_apply = True
             pending = set(self.deferred.pending.values())
             for i, view in enumerate(self.views):
-                if i not in pending:
+                if i not in pending and view is not None:
                     view.zero_()
             return
         if self.in_flight:
@@ -289,14 +338,14 @@ class GradientEngine:
         for group in self.groups:
             group.flat.zero_()
         for p, view in zip(self.params, self.views):
-            if p.grad is not None and p.grad is not view:
+            if view is not None and p.grad is not None and p.grad is not view:
                 p.grad = view
 
     # ------------------------------------------------------------------ overlap with the next forward
     def can_defer(self, optimizer: torch.optim.Optimizer) -> bool:
         profiling = self.replanner is not None and not self.replanner.profiler.done
         return (self.cfg.overlap and self.comm is not None and not profiling and supports_deferral(optimizer)
-                and self.pending_gradients)
+                and self.pending_gradients and not self.trainable_changed())
 
     def defer_step(self, optimizer: torch.optim.Optimizer, base_step) -> None:
         """Send what is left and record the step; updates are applied in the next forward."""
@@ -349,6 +398,6 @@ class GradientEngine:
             self._forward_hook = None
 
     def remove(self) -> None:
-        for hook in self._hooks:
+        for hook in self._hooks.values():
             hook.remove()
-        self._hooks = []
+        self._hooks = {}

@@ -57,10 +57,11 @@ class _DistributedMixin:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients in place: they stay views into IMerge's flat buffers (no allocation per step).
 
-        ``set_to_none`` is accepted for compatibility; parameters that got no gradient on any
-        worker are still skipped by ``step()`` as if their gradient were None.
+        With ``set_to_none=True`` a parameter that then gets no gradient on any worker is skipped
+        by ``step()`` as if its gradient were None; with ``False`` it is stepped with a zero
+        gradient, as torch does.
         """
-        self._imerge_engine.zero_grad()
+        self._imerge_engine.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         runtime.flush_all()
@@ -132,7 +133,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         named = [(name, p) for name, p in named if id(p) in in_opt]
     for name, p in named:
         dtype_name(p.dtype, name, f"worker {runtime.topology().worker_rank}")
-    named = [(name, p) for name, p in named if p.requires_grad]  # frozen: never get a gradient
     engine = GradientEngine(named, cfg)
     optimizer.__class__ = _distributed_class(type(optimizer))
     optimizer._imerge_engine = engine

@@ -49,7 +49,7 @@ class Replanner:
         self.model = cost_model_for(self.method) if topo.num_servers else LinearModel(0.0, 0.0)
         decision = None
         if topo.worker_rank == 0:
-            order = self.profile.ready_order()
+            order = [i for i in self.profile.ready_order() if engine.trainable[i]]
             sizes = [self.profile.sizes[i] for i in order]
             ready = [self.profile.ready_times[i] for i in order]
             dtypes = [self.profile.dtypes[i] for i in order]

@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any
 
-from ._mpi import MPI
+from ._mpi import MPI, ensure_initialized
 from .config import Config
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError
 from .polling import Backoff
@@ -59,6 +59,7 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     if _state.topology is not None:
         return
     cfg = Config.from_env(num_servers=num_servers, **config)
+    ensure_initialized()
     world = MPI.COMM_WORLD
     flags = world.allgather(_state.server_program)
     if any(flags):

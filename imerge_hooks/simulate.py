@@ -1,4 +1,4 @@
-"""Discrete-event simulator of IMerge training iterations (no MPI, no torch): what-if at scale.
+"""Discrete-event simulator of IMerge training iterations (pure Python, no MPI): what-if at scale.
 
 Given per-layer compute times (a :class:`ModelSpec`, e.g. from ``benchmarks/profiles/*.json``)
 and a cluster (:class:`ClusterSpec`), :func:`simulate` replays ``iterations`` training
@@ -6,7 +6,7 @@ iterations of every worker under one schedule and returns the steady-state itera
 the throughput and a timeline (:meth:`SimResult.to_chrome_trace` writes it for Perfetto)::
 
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
-    model = ModelSpec.from_profile_json("benchmarks/profiles/resnet50-cuda.json")
+    model = ModelSpec.from_profile_json("benchmarks/profiles/resnet50-cpu.json")
     cluster = ClusterSpec(workers=16, servers=4, bandwidth_Bps=1.25e9, startup_s=50e-6)
     for schedule in ("wfbp", "adaptive-ps", "imerge"):
         print(schedule, simulate(model, cluster, schedule).throughput)
@@ -34,7 +34,8 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   With ``stagger`` worker r rotates each group's key sequence to start at server r % S.
   Partitioned schedules keep at most ``credit_bytes`` of pushes in flight (always at least
   one; head-of-line: the next key waits until it fits); credit returns when a push has been
-  delivered to the server. Non-partitioned schedules have no credit limit.
+  delivered to the server. Non-partitioned schedules have no credit limit. A started push is
+  queued on its connection (below), so priority reorders only what waits for credit.
 * **Network: fluid, max-min fair (processor sharing).** Every host has an egress and an
   ingress link of ``bandwidth_Bps`` (workers: push out / pull in; servers: push in / result
   out). A message in flight is a flow through its sender's egress and its receiver's
@@ -64,6 +65,7 @@ import heapq
 import itertools
 import json
 import math
+import numbers
 import os
 from collections import deque
 from collections.abc import Sequence
@@ -128,9 +130,10 @@ class ModelSpec:
                                         param_bytes=[int(p["bytes"]) for p in layer.get("params", [])],
                                         forward_s=float(layer["forward_s"]),
                                         backward_s=float(layer["backward_s"])))
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"IMerge simulate: {path}: layer {i} ({layer.get('name', '?') if isinstance(layer, dict) else layer!r}) "
-                                 f"is malformed: missing or bad {exc}") from None
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                name = layer.get("name", "?") if isinstance(layer, dict) else layer
+                raise ValueError(f"IMerge simulate: {path}: layer {i} ({name!r}) is malformed: "
+                                 f"missing or bad {exc}") from None
         if "batch_size" not in data:
             raise ValueError(f"IMerge simulate: {path}: profile has no 'batch_size'")
         spec = cls(layers=layers, batch_size=int(data["batch_size"]),
@@ -151,16 +154,17 @@ class ModelSpec:
         """Raise ValueError (naming the layer) for an unusable spec."""
         if not self.layers:
             raise ValueError(f"IMerge simulate: model {self.name!r} has no layers")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+        bs = self.batch_size
+        if isinstance(bs, bool) or not isinstance(bs, numbers.Integral) or bs < 1:
             raise ValueError(f"IMerge simulate: batch_size must be an int >= 1, got {self.batch_size!r}")
         for i, layer in enumerate(self.layers):
             where = f"IMerge simulate: model {self.name!r} layer {i} ({layer.name!r})"
             for what in ("forward_s", "backward_s"):
                 v = getattr(layer, what)
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v >= 0):
                     raise ValueError(f"{where}: {what} must be a finite number >= 0, got {v!r}")
             for b in layer.param_bytes:
-                if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0:
                     raise ValueError(f"{where}: param_bytes must be ints >= 0, got {layer.param_bytes!r}")
 
 
@@ -169,8 +173,10 @@ class ClusterSpec:
     """W workers and S servers, one NIC each.
 
     ``bandwidth_Bps``: bytes/s of every host's NIC, in each direction. ``startup_s``: the
-    server's serial work per push message (see the module doc). ``time_scale``: factor on
-    the model's compute times (replay a profile as a faster or slower device).
+    server's serial work per push message (see the module doc); a PSModel's startup ``a``
+    measured with W workers is about ``W * startup_s``, so build the spec from a measured
+    model with :meth:`from_psmodel`. ``time_scale``: factor on the model's compute times
+    (replay a profile as a faster or slower device).
     """
 
     workers: int
@@ -182,11 +188,12 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         for what in ("workers", "servers"):
             v = getattr(self, what)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be an int >= 1, got {v!r}")
+            object.__setattr__(self, what, int(v))
         for what, positive in (("bandwidth_Bps", True), ("startup_s", False), ("time_scale", True)):
             v = getattr(self, what)
-            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            ok = (not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
                   and (v > 0 if positive else v >= 0))
             if not ok:
                 raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be a finite number "
@@ -247,7 +254,6 @@ class SimResult:
     servers: int
     plan: Plan | None = None  # the planner's output (ready-order indices), planned schedules only
     cost_model: Any = None  # the model the plan was made with
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def server_push_bytes(self) -> list[int]:
@@ -732,7 +738,7 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"IMerge simulate: {name} must be a positive int, got {value!r}")
     return value
 
@@ -768,7 +774,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     scale = cluster.time_scale
     fwd = [layer.forward_s * scale for layer in model.layers]
     bwd = [layer.backward_s * scale for layer in model.layers]
-    sizes = model.tensor_bytes
+    sizes = [int(b) for b in model.tensor_bytes]
     layer_tensors: list[list[int]] = []
     ready_at: list[float] = []  # from the start of backward: layer l is ready after layers L-1..l
     suffix = list(itertools.accumulate(reversed(bwd)))[::-1]

@@ -17,7 +17,6 @@ the ``imerge`` schedule defer the update into the next forward pass.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +38,6 @@ from lightning_plugin.serving import serve_at_exit
 
 from .environment import IMergeEnvironment
 from .launcher import IMergeLauncher
-
-log = logging.getLogger("imerge")
 
 
 class IMergeStrategy(ParallelStrategy):

@@ -37,13 +37,13 @@ class Launch:
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    return Launch(run_mpi(CHECKS, 2, str(out), "--strategy", "ddp", timeout=90).check(), out)
+    return Launch(run_mpi(CHECKS, 2, str(out), "--strategy", "ddp", timeout=120).check(), out)
 
 
 @pytest.fixture(scope="module")
 def imerge(tmp_path_factory):
     out = tmp_path_factory.mktemp("imerge")
-    run = run_mpi(CHECKS, 3, str(out), "--strategy", "imerge", servers=1, timeout=90).check()
+    run = run_mpi(CHECKS, 3, str(out), "--strategy", "imerge", servers=1, timeout=120).check()
     return Launch(run, out)
 
 
@@ -101,7 +101,7 @@ def test_manual_optimization_two_optimizers_and_bf16(imerge, ddp):
 
 def test_digits_example_reaches_good_accuracy():
     run = run_mpi(REPO / "examples" / "lightning_digits.py", 3, "--epochs", "4", "--batch-size", "48",
-                  "--lr", "1e-2", "--schedule", "wfbp", servers=1, timeout=90).check()
+                  "--lr", "1e-2", "--schedule", "wfbp", servers=1, timeout=120).check()
     result = re.search(r"RESULT strategy=imerge schedule=wfbp workers=2 val_acc=([\d.]+) samples_per_s=([\d.]+)",
                        run.stdout)
     assert result, run.stdout[-2000:]
@@ -111,7 +111,7 @@ def test_digits_example_reaches_good_accuracy():
 
 
 def test_devices_above_one_is_refused_clearly():
-    run = run_mpi(SCRIPTS / "lightning_misuse.py", 2, "devices2", servers=1, timeout=60).check()
+    run = run_mpi(SCRIPTS / "lightning_misuse.py", 2, "devices2", servers=1, timeout=90).check()
     for rank in (0, 1):  # the worker and the server are both told, and both exit cleanly
         (error,) = run.lines(rank, "ERROR")
         assert error.startswith("IMergeConfigError")
@@ -124,7 +124,7 @@ def test_single_process_without_mpiexec():
                OMP_NUM_THREADS="1")
     env.pop("IMERGE_NUM_SERVERS", None)
     proc = subprocess.run([sys.executable, str(SCRIPTS / "lightning_misuse.py"), "single"], capture_output=True,
-                          text=True, timeout=60, env=env, cwd=REPO)
+                          text=True, timeout=90, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("@0 single"))
     assert "world_size 1 global_zero True strategy IMergeStrategy steps 4" in line

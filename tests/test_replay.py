@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -60,25 +59,28 @@ def test_load_profile_by_path_and_errors(tmp_path):
         load_profile(bad)
 
 
+def _all_equal(t: torch.Tensor, value: float) -> bool:
+    return bool((t == torch.tensor(value, dtype=t.dtype)).all())
+
+
 def test_gradients_shapes_values_and_accumulation():
-    replay = ReplayModel("alexnet", time_scale=0.0)
+    replay = ReplayModel("resnet18", time_scale=0.0)
     x = torch.randn(4, 1)
     out = replay(x)
     assert out.shape == x.shape
     out.sum().backward()
+    value = x.mean()
     for n, p in replay.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, n
-        assert p.grad.is_contiguous()
-        torch.testing.assert_close(p.grad, torch.full_like(p, x.mean().item()))
+        assert p.grad.is_contiguous() and _all_equal(p.grad, value.item()), n
     # gradients kept as buffers (what IMerge does) are accumulated in place
     before = {n: p.grad.data_ptr() for n, p in replay.named_parameters()}
     replay(x).sum().backward()
     for n, p in replay.named_parameters():
-        assert p.grad.data_ptr() == before[n]
-        torch.testing.assert_close(p.grad, torch.full_like(p, 2 * x.mean().item()))
-    half = ReplayModel("alexnet", time_scale=0.0, dtype=torch.float16)
+        assert p.grad.data_ptr() == before[n] and _all_equal(p.grad, (2 * value).item()), n
+    half = ReplayModel("resnet18", time_scale=0.0, dtype=torch.float16)
     half(x.half()).sum().backward()
-    assert all(p.grad.dtype == torch.float16 for p in half.parameters())
+    assert [p.grad.dtype for p in half.parameters()] == [torch.float16] * 62
 
 
 def _timed_iterations(replay: ReplayModel, iters: int):
@@ -122,31 +124,40 @@ def test_replay_takes_profiled_time_without_cpu_and_grads_ready_last_layer_first
     replay = ReplayModel(prof, time_scale=scale)
     exp_f, exp_b = replay.expected_times()
     assert exp_f + exp_b == pytest.approx(0.4)
-    runs = _timed_iterations(replay, 3)
-    best = min(runs, key=lambda r: r[0] + r[1])
-    fwd, bwd, cpu, ready, t_bwd = best
-    # sleeps never end early; oversleep is compensated within a pass
-    assert 0.9 * exp_f <= fwd <= 1.5 * exp_f + 0.02, (fwd, exp_f)
-    assert 0.9 * exp_b <= bwd <= 1.5 * exp_b + 0.02, (bwd, exp_b)
-    assert statistics.median(r[2] for r in runs) < 0.25 * (exp_f + exp_b), runs
-
-    # every parameter's hook fired once, layers in reverse order
     layers = replay.replay_layers
-    assert len(ready) == sum(len(list(layer.parameters())) for layer in layers)
-    order = [i for i, _ in ready]
-    assert order == sorted(order, reverse=True)
-    # ...at the profiled times: layer k is ready after the backward times of layers n-1..k
-    done = {}
-    for i, t in ready:
-        done[i] = t - t_bwd
-    cum = 0.0
-    for i in range(len(layers) - 1, -1, -1):
-        cum += layers[i].backward_s * scale
-        assert cum - 0.002 <= done[i] <= 1.5 * cum + 0.02, (layers[i].layer_name, done[i], cum)
+    n_params = sum(len(list(layer.parameters())) for layer in layers)
+
+    def problems(run) -> list[str]:
+        fwd, bwd, cpu, ready, t_bwd = run
+        out = []
+        # sleeps never end early; oversleep is compensated within a pass
+        if not 0.9 * exp_f <= fwd <= 1.5 * exp_f + 0.02:
+            out.append(f"forward {fwd:.3f} s, expected {exp_f:.3f} s")
+        if not 0.9 * exp_b <= bwd <= 1.5 * exp_b + 0.02:
+            out.append(f"backward {bwd:.3f} s, expected {exp_b:.3f} s")
+        # layer k is ready once the backward times of layers n-1..k have passed
+        done = {i: t - t_bwd for i, t in ready}
+        cum = 0.0
+        for i in range(len(layers) - 1, -1, -1):
+            cum += layers[i].backward_s * scale
+            if not cum - 0.002 <= done[i] <= 1.5 * cum + 0.02:
+                out.append(f"{layers[i].layer_name} ready at {done[i]:.3f} s, expected {cum:.3f} s")
+        return out
+
+    runs = _timed_iterations(replay, 4)
+    for fwd, bwd, cpu, ready, _ in runs:
+        # every parameter's hook fired once, layers in reverse order; little CPU used
+        assert len(ready) == n_params
+        order = [i for i, _ in ready]
+        assert order == sorted(order, reverse=True)
+        assert cpu < 0.25 * (fwd + bwd), (cpu, fwd, bwd)
+    # timing: at least one iteration on time (other processes may load this machine)
+    found = [problems(run) for run in runs]
+    assert any(not p for p in found), found
 
 
 def test_time_scale_is_adjustable():
-    replay = ReplayModel("alexnet", time_scale=0.0)
+    replay = ReplayModel("alexnet", time_scale=0.0, device="meta")
     assert replay.expected_times() == (0.0, 0.0)
     replay.time_scale = 0.5
     prof = load_profile("alexnet")

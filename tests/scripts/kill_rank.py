@@ -12,11 +12,11 @@ import torch
 from common import say
 
 import imerge_hooks as imh
-from imerge_hooks import runtime
 
 victim, kill_at = int(sys.argv[1]), int(sys.argv[2])
 world_rank = int(os.environ.get("PMI_RANK", "-1"))
-if world_rank == victim and runtime.MPI.COMM_WORLD.Get_size() - int(os.environ["IMERGE_NUM_SERVERS"]) <= victim:
+world_size = int(os.environ.get("PMI_SIZE", "1"))
+if world_rank == victim and world_size - int(os.environ["IMERGE_NUM_SERVERS"]) <= victim:
     # The victim is a server: kill it from a timer while it serves.
     import threading
 

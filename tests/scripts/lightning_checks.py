@@ -7,7 +7,7 @@ Runs (each a fresh model and Trainer, in this order):
   full    fit with accumulate_grad_batches=2 (5 micro-batches an epoch: the last step is short),
           gradient_clip_val, ModelCheckpoint every epoch; then validate(ckpt_path=...), test, predict
   manual  manual optimization, two optimizers (SGD, Adam) over two sub-networks
-  bf16    float32 model, precision="bf16-mixed" on CPU
+  bf16    float32 model, precision="bf16-mixed" on CPU; fit twice (second Trainer, same model)
 Worker 0 writes OUT/<run>.pt (final state_dict) and OUT/<run>.json (metrics). Every rank says what
 it did; server ranks report what each entry point returned there.
 """
@@ -216,6 +216,8 @@ if "bf16" in runs:
     t = trainer(max_epochs=1, precision="bf16-mixed")
     model = Net(dtype="float32")
     t.fit(model, loader(data(60, 1, torch.float32), True), loader(data(24, 2, torch.float32), False))
+    t = trainer(max_epochs=1, precision="bf16-mixed")  # fit the same model again: new optimizer, new engine
+    t.fit(model, loader(data(60, 3, torch.float32), True), loader(data(24, 2, torch.float32), False))
     if not on_server():
         loss = float(t.callback_metrics["train_loss"])
         say(WORLD_RANK, "bf16-loss", loss, "finite" if math.isfinite(loss) else "NOT FINITE")
