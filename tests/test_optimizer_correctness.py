@@ -22,12 +22,15 @@ def train(tmp_path, workers, servers, *args, timeout=120):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("schedule", ["default", "wfbp"])
 @pytest.mark.parametrize("workers,servers", [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2)])
-def test_sgd_and_adam_match_full_batch(tmp_path, schedule, workers, servers):
-    for opt in ("sgd", "adam"):
-        got = train(tmp_path, workers, servers, "--schedule", schedule, "--optimizer", opt)
-        assert max_diff(got, reference_train(opt, 5)) <= TOL, (opt, schedule, workers, servers)
+def test_sgd_and_adam_match_full_batch(tmp_path, workers, servers):
+    out = tmp_path / "{schedule}-{optimizer}.pt"
+    run_mpi(SCRIPT, workers + servers, str(out), "--schedule", "default,wfbp", "--optimizer", "sgd,adam",
+            servers=servers, timeout=180).check()
+    for schedule in ("default", "wfbp"):
+        for opt in ("sgd", "adam"):
+            got = torch.load(str(out).format(schedule=schedule, optimizer=opt))
+            assert max_diff(got, reference_train(opt, 5)) <= TOL, (opt, schedule, workers, servers)
 
 
 def test_single_process_without_servers(tmp_path):
@@ -60,15 +63,17 @@ def cost_model_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("costmodel")
 
 
-@pytest.mark.parametrize("schedule", ["threshold", "mgwfbp", "adaptive-ps"])
 @pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
-def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_model_dir, schedule, workers, servers):
+def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_model_dir, workers, servers):
     """profile_steps=3: iterations 0-2 use one tensor per group, then the plan epoch changes."""
-    out = tmp_path / "final.pt"
+    out = tmp_path / "{schedule}-{optimizer}.pt"
     env = {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json"),
            "IMERGE_FUSION_THRESHOLD_BYTES": "20000", "IMERGE_PLAN_LOG": "1"}
-    for opt in ("sgd", "adam"):
-        run = run_mpi(SCRIPT, workers + servers, str(out), "--schedule", schedule, "--optimizer", opt,
-                      "--steps", "6", "--profile-steps", "3", servers=servers, env=env, timeout=180).check()
-        assert "IMerge plan (" in run.stdout  # the plan was installed (and printed by worker 0)
-        assert max_diff(torch.load(out), reference_train(opt, 6)) <= TOL, (schedule, opt)
+    schedules = ("threshold", "mgwfbp", "adaptive-ps")
+    run = run_mpi(SCRIPT, workers + servers, str(out), "--schedule", ",".join(schedules), "--optimizer", "sgd,adam",
+                  "--steps", "6", "--profile-steps", "3", servers=servers, env=env, timeout=300).check()
+    for schedule in schedules:
+        assert f"IMerge plan ({'optimal' if schedule == 'adaptive-ps' else schedule}" in run.stdout
+        for opt in ("sgd", "adam"):
+            got = torch.load(str(out).format(schedule=schedule, optimizer=opt))
+            assert max_diff(got, reference_train(opt, 6)) <= TOL, (schedule, opt)

@@ -30,6 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_plugin
 
+if not MPI.Is_initialized():  # importing imerge_hooks does not start MPI
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
 WORLD_RANK = MPI.COMM_WORLD.Get_rank()
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

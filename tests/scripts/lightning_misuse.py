@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_plugin  # noqa: F401  (registers "imerge")
 
+if not MPI.Is_initialized():  # importing imerge_hooks does not start MPI
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
 RANK = MPI.COMM_WORLD.Get_rank()
 
 

@@ -1,7 +1,11 @@
 """Train SmallCNN with imerge_hooks.DistributedOptimizer (or DDP over imerge's worker group).
 
-Usage: python train_optimizer.py OUT --schedule wfbp --optimizer sgd --steps 5 [--unused] [--passes 2] [--ddp]
-Worker 0 saves the final state_dict to OUT.
+Usage: python train_optimizer.py OUT --schedule wfbp[,default,...] --optimizer sgd[,adam,...] [--steps 5]
+       [--unused] [--passes 2] [--ddp] [--scheduler] [--state-at K] [--compression fp16]
+Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches);
+worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
+when there is one pair), and with --state-at K the model+optimizer state after step K to
+that path + ".mid".
 """
 
 import argparse
@@ -27,34 +31,42 @@ args = parser.parse_args()
 
 imh.init()
 rank, world = imh.rank(), imh.size()
-model = make_model(args.unused)
-if args.ddp:
-    net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group())
-    opt = make_optimizer(args.optimizer, model.parameters())
-else:
-    net = model
-    opt = imh.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()),
-                                   named_parameters=model.named_parameters(), schedule=args.schedule,
-                                   backward_passes_per_step=args.passes, profile_steps=args.profile_steps,
-                                   compression=args.compression)
-    imh.broadcast_parameters(model.state_dict(), root_rank=0)
-sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
-for step in range(args.steps):
-    opt.zero_grad()
-    x, y = batch(step)
-    x, y = shard(x, rank, world), shard(y, rank, world)
-    for p in range(args.passes):
-        loss = loss_fn(net, shard(x, p, args.passes), shard(y, p, args.passes)).div(args.passes)
-        loss.backward()
-    opt.step()
-    if sched:
-        sched.step()
-    if args.state_at == step + 1:
-        snapshot = {"optimizer": opt.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
-        if rank == 0:
-            torch.save(snapshot, args.out + ".mid")
-if rank == 0:
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
-if not args.ddp:
-    say(rank, "KEYBYTES", sum(k.nbytes for g in opt._imerge_engine.groups for k in g.keys))
-say(rank, "done", args.schedule)
+
+
+def run(schedule: str, opt_name: str, out: str) -> None:
+    model = make_model(args.unused)
+    if args.ddp:
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group())
+        opt = make_optimizer(opt_name, model.parameters())
+    else:
+        net = model
+        opt = imh.DistributedOptimizer(make_optimizer(opt_name, model.parameters()),
+                                       named_parameters=model.named_parameters(), schedule=schedule,
+                                       backward_passes_per_step=args.passes, profile_steps=args.profile_steps,
+                                       compression=args.compression)
+        imh.broadcast_parameters(model.state_dict(), root_rank=0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
+    for step in range(args.steps):
+        opt.zero_grad()
+        x, y = batch(step)
+        x, y = shard(x, rank, world), shard(y, rank, world)
+        for p in range(args.passes):
+            loss = loss_fn(net, shard(x, p, args.passes), shard(y, p, args.passes)).div(args.passes)
+            loss.backward()
+        opt.step()
+        if sched:
+            sched.step()
+        if args.state_at == step + 1:
+            snapshot = {"optimizer": opt.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
+            if rank == 0:
+                torch.save(snapshot, out + ".mid")
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+    if not args.ddp:
+        say(rank, "KEYBYTES", sum(k.nbytes for g in opt._imerge_engine.groups for k in g.keys))
+    say(rank, "done", schedule, opt_name)
+
+
+pairs = [(s, o) for s in args.schedule.split(",") for o in args.optimizer.split(",")]
+for schedule, opt_name in pairs:
+    run(schedule, opt_name, args.out.format(schedule=schedule, optimizer=opt_name) if len(pairs) > 1 else args.out)
