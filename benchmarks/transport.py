@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 import imerge_hooks
+import imerge_hooks._mpi
 from imerge_hooks import runtime
 from imerge_hooks._mpi import MPI
 from imerge_hooks.engine import GradientEngine
@@ -300,6 +301,9 @@ def server_main(raw: MPI.Comm) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    start_mpi = getattr(imerge_hooks._mpi, "ensure_initialized", None)  # MPI starts lazily (in init())
+    if start_mpi is not None:
+        start_mpi()
     world = MPI.COMM_WORLD
     if world.Get_size() != 2:
         if world.Get_rank() == 0:

@@ -119,8 +119,6 @@ def mpi_layout() -> tuple[int, int, int]:
         from mpi4py import MPI
     except ImportError:
         return 1, 1, 1
-    if not MPI.Is_initialized():  # importing imerge_hooks does not start MPI; its init() would
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
     world = MPI.COMM_WORLD
     local = world.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
     return world.Get_size(), local, max(1, world.Get_size() // local)

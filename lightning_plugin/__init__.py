@@ -48,6 +48,19 @@ def _load_for_unified_lightning() -> types.ModuleType:
     return package
 
 
+def _start_mpi() -> None:
+    """Start MPI now, as importing mpi4py normally does (importing imerge_hooks alone does not).
+
+    Every Trainer asks Lightning's built-in ``MPIEnvironment.detect()`` for the MPI world size
+    before it builds any strategy, and that calls MPI.
+    """
+    from imerge_hooks import _mpi
+
+    getattr(_mpi, "ensure_initialized", lambda: None)()
+
+
+_start_mpi()
+
 IMergeStrategy: Any = None
 IMergeEnvironment: Any = None
 IMergeLauncher: Any = None

@@ -100,8 +100,9 @@ def test_manual_optimization_two_optimizers_and_bf16(imerge, ddp):
 
 
 def test_digits_example_reaches_good_accuracy():
+    # Trainer(strategy="imerge") from the registry, configured by IMERGE_* env vars
     run = run_mpi(REPO / "examples" / "lightning_digits.py", 3, "--epochs", "4", "--batch-size", "48",
-                  "--lr", "1e-2", "--schedule", "wfbp", servers=1, timeout=120).check()
+                  "--lr", "1e-2", servers=1, timeout=120, env={"IMERGE_SCHEDULE": "wfbp"}).check()
     result = re.search(r"RESULT strategy=imerge schedule=wfbp workers=2 val_acc=([\d.]+) samples_per_s=([\d.]+)",
                        run.stdout)
     assert result, run.stdout[-2000:]
