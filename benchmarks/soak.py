@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,9 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.replay import ReplayModel  # noqa: E402
-
 import imerge_hooks as imh  # noqa: E402
+from benchmarks.replay import ReplayModel  # noqa: E402
 from imerge_hooks import runtime  # noqa: E402
 
 
@@ -53,8 +51,8 @@ def main() -> None:
                                                                              "end_mb": rss_mb()}))
         return
     model = ReplayModel(args.model, time_scale=args.time_scale)
-    opt = imh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6), named_parameters=model.named_parameters(),
-                                   schedule=args.schedule, profile_steps=5)
+    opt = imh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
+                                   named_parameters=model.named_parameters(), schedule=args.schedule, profile_steps=5)
     x = model.example_input()
     samples = []
     start = time.perf_counter()

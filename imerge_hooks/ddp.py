@@ -15,7 +15,7 @@ compares the hook's annotations by identity.
 """
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ class IMergeHookState:
     ``named_parameters`` (optional) lets error messages name tensors.
     """
 
-    def __init__(self, schedule: str = "wfbp", named_parameters: Optional[Any] = None, **config: Any) -> None:
+    def __init__(self, schedule: str = "wfbp", named_parameters: Any | None = None, **config: Any) -> None:
         if not runtime.is_initialized():
             runtime.init()
         self.cfg = Config.from_env(runtime.config(), schedule=schedule, **config)
@@ -97,8 +97,9 @@ class IMergeHookState:
             for k in g.keys:
                 placement.place(k.nbytes)
         ids = runtime.allocate_keys(len(ranges))
-        keys = [KeySpec(key, (end - start) * esize, SUPPORTED_DTYPES[buffer.dtype], placement.place((end - start) * esize),
-                        names_in_range(spans, start, end)) for key, (start, end) in zip(ids, ranges)]
+        keys = [KeySpec(key, (end - start) * esize, SUPPORTED_DTYPES[buffer.dtype],
+                        placement.place((end - start) * esize), names_in_range(spans, start, end))
+                for key, (start, end) in zip(ids, ranges)]
         on_host = buffer.device.type == "cpu"
         result = torch.empty(numel, dtype=buffer.dtype, pin_memory=not on_host and torch.cuda.is_available())
         self.groups[index] = Group(index=index, flat=buffer, result=result, keys=keys, key_ranges=ranges,
@@ -126,7 +127,7 @@ def ps_hook(state: IMergeHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         future.set_result(buffer)
         return future
 
-    def complete(error: Optional[BaseException]) -> None:
+    def complete(error: BaseException | None) -> None:
         if error is None:
             future.set_result(buffer)
         else:

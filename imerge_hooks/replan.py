@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from . import runtime
 from .costmodel import CostModel, LinearModel
 from .planner import Plan, plan
 from .profiler import Profile, Profiler

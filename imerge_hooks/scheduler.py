@@ -4,7 +4,8 @@ Groups arrive from the engine as they become ready. Each is expanded into one ta
 tasks go out FIFO, or front layers first when ``priority`` is on (a partly sent group yields
 to a higher-priority one at partition granularity). With ``stagger`` worker r starts each
 group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
-(at least one push always is); credit returns when a push is delivered. Errors are kept and re-raised in the thread that waits.
+(at least one push always is);
+credit returns when a push is delivered. Errors are kept and re-raised in the thread that waits.
 """
 
 from __future__ import annotations

@@ -20,8 +20,16 @@ from ._mpi import MPI
 from .config import Config
 from .polling import Backoff
 from .topology import Topology
-from .transport import (DTYPE_BY_NAME, KEY_TAG_BASE, TAG_CONTROL, TAG_ERROR, TAG_REPLY, KeySpec,
-                        as_mpi_buffer, table_from_wire)
+from .transport import (
+    DTYPE_BY_NAME,
+    KEY_TAG_BASE,
+    TAG_CONTROL,
+    TAG_ERROR,
+    TAG_REPLY,
+    KeySpec,
+    as_mpi_buffer,
+    table_from_wire,
+)
 
 log = logging.getLogger("imerge")
 

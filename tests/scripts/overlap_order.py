@@ -24,7 +24,7 @@ for module in model:
     if isinstance(module, nn.Linear):
         module.register_forward_pre_hook(lambda m, _a: engine.events.append(("forward", names[id(m)], 0, None)))
 x = torch.randn(4, 8)
-for step in range(4):
+for _ in range(4):
     opt.zero_grad()
     engine.events.clear()
     model(x).square().mean().backward()

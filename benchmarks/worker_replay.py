@@ -1,0 +1,196 @@
+"""Per-rank training script of ``benchmarks/run.py``: compute replay + IMerge, one or more schedules.
+
+Every rank runs this file (launched by ``run.py`` through ``benchmarks/netlab``, one rank per
+emulated host; the last ``IMERGE_NUM_SERVERS`` ranks are the parameter servers and never
+return from ``imh.init()``). On a worker, for each schedule in ``--schedules``:
+
+* a fresh :class:`benchmarks.replay.ReplayModel` of ``--model`` (the profiled model's real
+  parameter names, shapes and bytes; forward/backward *sleep* the profiled times times
+  ``--time-scale``) and ``imerge_hooks.DistributedOptimizer(SGD, schedule=...)``;
+* warm-up: planned schedules (threshold, mgwfbp, adaptive-ps, imerge) first run
+  ``--profile-steps`` profiled iterations (one tensor per message; the plan, and the one-off PS
+  cost-model calibration cached at ``IMERGE_COST_MODEL_PATH``, happen at the end of them), then
+  ``--warmup`` more iterations with the plan installed; other schedules just ``--warmup``;
+* ``--iters`` timed iterations with no synchronisation in between: per worker, the duration
+  of iteration i is (start of iteration i+1) - (start of iteration i), the last one ending when
+  its ``step()`` returns. For ``imerge`` (updates deferred into the next forward) the first
+  timed forward waits for the last warm-up iteration's communication and the last timed
+  iteration's communication is left out: steady state, the same definition as the simulator
+  (time between consecutive starts of the forward pass);
+* then ``synchronize()`` (untimed), the engine is retired (hooks removed, its keys dropped from
+  the servers so their buffers are freed) and worker 0 prints one line
+  ``RESULT {json}`` (samples/s, iteration times, per-worker details, plan size).
+
+Each process prints ``RANKINFO {json}`` at exit (CPU seconds, peak RSS) for diagnosis.
+
+    OMP_NUM_THREADS=1 mpiexec -n 4 -env IMERGE_NUM_SERVERS 2 python benchmarks/worker_replay.py \\
+        --model alexnet --schedules default,imerge --time-scale 1 --iters 3
+
+Run it with ``OMP_NUM_THREADS=1`` (see ``benchmarks/replay.py``). A single process with no
+server trains locally with no communication: that is the one-worker baseline of the speed-up
+table (``--schedules local``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.replay import ReplayModel, load_profile  # noqa: E402
+
+PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")
+
+
+def _rank_info() -> None:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    info = {"world_rank": int(os.environ.get("PMI_RANK", "0")), "netns": os.environ.get("NETLAB_NETNS"),
+            "cpu_s": round(ru.ru_utime + ru.ru_stime, 3), "maxrss_mb": round(ru.ru_maxrss / 1024, 1)}
+    print("RANKINFO " + json.dumps(info), flush=True)
+
+
+def _retire(opt) -> None:
+    """Drop an engine so the next schedule starts clean and memory is returned.
+
+    Uses IMerge internals (there is no public ``close()`` on a DistributedOptimizer yet): remove
+    the gradient hooks, unregister the runtime callbacks, and register an empty key table for
+    its client id so the servers free their per-key buffers.
+    """
+    from imerge_hooks import runtime
+
+    engine = opt._imerge_engine
+    engine.remove()
+    st = runtime._state
+    for lst, fn in ((st.flush_callbacks, engine.flush_deferred), (st.join_callbacks, engine.synchronize)):
+        try:
+            lst.remove(fn)
+        except ValueError:
+            pass
+    if engine.replanner is not None:
+        engine.replanner.profiler.close()
+    runtime.register_keys(engine.client, [])
+    st.tables.pop(engine.client, None)
+
+
+def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict | None:
+    model = ReplayModel(profile, time_scale=args.time_scale)
+    base = torch.optim.SGD(model.parameters(), lr=0.01)
+    local = schedule == "local"
+    if local:
+        opt = base
+    else:
+        opt = imh.DistributedOptimizer(base, named_parameters=model.named_parameters(), schedule=schedule,
+                                       profile_steps=args.profile_steps)
+        imh.broadcast_parameters(model.state_dict(), root_rank=0)
+    x = model.example_input()
+    warm = args.warmup + (args.profile_steps if schedule in PLANNED else 0)
+    starts: list[float] = []
+    cpu0 = None
+    fwd_s, bwd_s = [], []
+    for it in range(warm + args.iters):
+        t = time.perf_counter()
+        if it == warm:
+            cpu0 = time.process_time()
+        if it >= warm:
+            starts.append(t)
+        opt.zero_grad()
+        out = model(x)
+        t1 = time.perf_counter()
+        out.sum().backward()
+        t2 = time.perf_counter()
+        opt.step()
+        if it >= warm:
+            fwd_s.append(t1 - t)
+            bwd_s.append(t2 - t1)
+    end = time.perf_counter()
+    cpu = time.process_time() - cpu0
+    if not local:
+        opt.synchronize()
+    durations = [b - a for a, b in zip(starts, starts[1:] + [end])]
+    mine = {"durations": durations, "elapsed": end - starts[0], "forward_s": statistics.median(fwd_s),
+            "backward_s": statistics.median(bwd_s), "cpu_s_per_iter": cpu / args.iters}
+    n_groups = n_keys = None
+    if not local:
+        engine = opt._imerge_engine
+        n_groups = len(engine.groups)
+        n_keys = sum(len(g.keys) for g in engine.groups)
+        everyone = worker_comm.gather(mine, root=0) if worker_comm is not None else [mine]
+        _retire(opt)
+    else:
+        everyone = [mine]
+    del opt, base, model
+    gc.collect()
+    if everyone is None:  # not worker 0
+        return None
+    workers = len(everyone)
+    elapsed = max(w["elapsed"] for w in everyone)
+    per_iter = [statistics.mean(w["durations"][i] for w in everyone) for i in range(args.iters)]
+    exp_f, exp_b = (sum(layer["forward_s"] for layer in profile["layers"]) * args.time_scale,
+                    sum(layer["backward_s"] for layer in profile["layers"]) * args.time_scale)
+    batch = int(profile.get("batch_size", 1))
+    return {
+        "model": profile["model"], "schedule": schedule, "workers": workers,
+        "servers": imh.num_servers() if not local else 0, "batch_size": batch, "iters": args.iters,
+        "warmup_iters": warm, "time_scale": args.time_scale,
+        "iteration_s": elapsed / args.iters,  # slowest worker, mean over the timed iterations
+        "iteration_median_s": statistics.median(per_iter),
+        "iteration_s_each": per_iter,
+        "samples_per_s": workers * batch * args.iters / elapsed,
+        "expected_compute_s": exp_f + exp_b,
+        "forward_s": statistics.mean(w["forward_s"] for w in everyone),
+        "backward_s": statistics.mean(w["backward_s"] for w in everyone),
+        "worker_cpu_s_per_iter": statistics.mean(w["cpu_s_per_iter"] for w in everyone),
+        "worker_iteration_s": [w["elapsed"] / args.iters for w in everyone],
+        "groups": n_groups, "keys": n_keys,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--model", required=True, help="profile name (resnet18, vgg16, alexnet, resnet50) or path")
+    ap.add_argument("--device", default="cpu", help="profile tag")
+    ap.add_argument("--schedules", default="imerge", help="comma-separated; 'local' = one process, no IMerge")
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations (after profiling for planned ones)")
+    ap.add_argument("--iters", type=int, default=3, help="timed iterations")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    atexit.register(_rank_info)  # also runs on server ranks (init() exits them with SystemExit)
+    profile = load_profile(args.model, args.device)
+    schedules = [s for s in args.schedules.split(",") if s]
+    if schedules == ["local"]:
+        import imerge_hooks as imh  # noqa: F401  (no init: purely local)
+
+        res = run_schedule("local", profile, args, None, None)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+
+    import imerge_hooks as imh
+    from imerge_hooks import runtime
+
+    imh.init()  # servers serve here and exit
+    topo = runtime.topology()
+    comm = topo.worker_comm if topo.num_workers > 1 else None
+    for schedule in schedules:
+        res = run_schedule(schedule, profile, args, imh, comm)
+        if res is not None:
+            print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
