@@ -52,7 +52,10 @@ def _least_squares(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
         raise ValueError("IMerge: fit got non-finite sizes or times")
     if x.size == 1 or np.ptp(x) == 0:
         return max(float(np.mean(y)), 0.0), 0.0
-    k, c = np.polyfit(x, y, 1)
+    # Relative (1/t) weights: on a log-spaced grid an unweighted fit is decided by the largest
+    # messages alone and leaves the startup term, which the planner cares most about, unconstrained.
+    weights = 1.0 / np.maximum(y, 1e-12) if np.all(y > 0) else None
+    k, c = np.polyfit(x, y, 1, w=weights)
     if c < 0:
         c = 0.0
         denom = float(np.dot(x, x))

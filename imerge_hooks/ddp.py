@@ -91,7 +91,8 @@ class IMergeHookState:
         if index == 0:
             self.groups, self.layout = {}, {}
         numel, esize = buffer.numel(), buffer.element_size()
-        ranges = cut_keys(numel, esize, self.cfg.partition_bytes if self.cfg.traits.partition else None)
+        ranges = cut_keys(numel, esize, self.cfg.partition_bytes if self.cfg.traits.partition else None,
+                          self.topo.num_servers)
         placement = Placement(self.topo.num_servers)
         for g in self.groups.values():
             for k in g.keys:

@@ -184,7 +184,7 @@ class GradientEngine:
             result = torch.empty(total, dtype=wire, pin_memory=pinned)
             staging = None if on_host and wire == dtype else torch.empty(total, dtype=wire, pin_memory=pinned)
             ranges = cut_keys(total, wire.itemsize,
-                              self.cfg.partition_bytes if self.cfg.traits.partition else None)
+                              self.cfg.partition_bytes if self.cfg.traits.partition else None, self.topo.num_servers)
             keys = []
             for start, end in ranges:
                 nbytes = (end - start) * wire.itemsize
@@ -208,7 +208,8 @@ class GradientEngine:
             total = sum(self.params[i].numel() for i in members)
             size = self.params[members[0]].element_size() if members else 4
             size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
-            count += len(cut_keys(total, size, self.cfg.partition_bytes if self.cfg.traits.partition else None))
+            count += len(cut_keys(total, size, self.cfg.partition_bytes if self.cfg.traits.partition else None,
+                                  self.topo.num_servers))
         return count
 
     # ------------------------------------------------------------------ backward

@@ -90,12 +90,23 @@ def dtype_name(dtype: torch.dtype, tensor_name: str, where: str) -> str:
                         f"floating gradients ({', '.join(SUPPORTED_DTYPES.values())})") from None
 
 
-def cut_keys(numel: int, element_size: int, partition_bytes: int | None) -> list[tuple[int, int]]:
-    """Element ranges of at most ``partition_bytes`` each (one range when None)."""
+SPREAD_MIN_BYTES = 64 * 1024
+
+
+def cut_keys(numel: int, element_size: int, partition_bytes: int | None,
+             servers: int = 1) -> list[tuple[int, int]]:
+    """Element ranges of at most ``partition_bytes`` each.
+
+    Without partitions (``None``) a group is still spread evenly over the servers, in up to
+    ``servers`` keys of at least ``SPREAD_MIN_BYTES``: the cost model is measured that way,
+    and one server per group would leave the others idle while it carries the whole group.
+    """
     if numel == 0:
         return []
     if partition_bytes is None:
-        return [(0, numel)]
+        pieces = max(1, min(servers, numel * element_size // SPREAD_MIN_BYTES))
+        per = -(-numel // pieces)
+        return [(start, min(numel, start + per)) for start in range(0, numel, per)]
     per = max(1, partition_bytes // element_size)
     return [(start, min(numel, start + per)) for start in range(0, numel, per)]
 

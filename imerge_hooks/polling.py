@@ -13,7 +13,7 @@ import time
 class Backoff:
     """Call ``idle()`` after each poll that found nothing, ``reset()`` after one that did."""
 
-    def __init__(self, spin_s: float = 50e-6, max_sleep_s: float = 1e-3) -> None:
+    def __init__(self, spin_s: float = 200e-6, max_sleep_s: float = 250e-6) -> None:
         self.spin_s = spin_s
         self.max_sleep_s = max_sleep_s
         self.reset()

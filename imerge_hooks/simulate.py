@@ -672,12 +672,16 @@ class _Sim:
 
 
 # ---------------------------------------------------------------------------------- layout
-def _cut(nbytes: int, partition_bytes: int | None) -> list[int]:
+def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int]:
+    """Key sizes as ``layout.cut_keys`` makes them (bytes; 4-byte elements assumed)."""
+    from .layout import cut_keys
+
     if nbytes <= 0:
         return []
-    if partition_bytes is None:
-        return [nbytes]
-    return [min(partition_bytes, nbytes - start) for start in range(0, nbytes, partition_bytes)]
+    ranges = cut_keys(max(1, nbytes // 4), 4, partition_bytes, servers)
+    sizes = [(end - start) * 4 for start, end in ranges]
+    sizes[-1] += nbytes - sum(sizes)
+    return sizes
 
 
 def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_bytes: int | None,
@@ -688,7 +692,7 @@ def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_byt
     nxt = 0
     for g, members in enumerate(groups):
         ids = []
-        for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes):
+        for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes, servers):
             ids.append(len(keys))
             keys.append(KeyInfo(g, nbytes, nxt))
             nxt = (nxt + 1) % servers
