@@ -435,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ncost model S={c['servers']}: FAILED: {c['reason']}\n  command: {c.get('cmd')}")
         print("--- stderr (tail) ---\n" + (c.get("stderr_tail", "").rstrip() or "(empty)"))
     for r in problems:
-        print(f"\nS={r['servers']} round {r['round'] + 1} {r['schedule']}: FAILED: {r['reason']}\n  command: {r['cmd']}")
+        print(f"\nS={r['servers']} round {r['round'] + 1} {r['schedule']}: FAILED: {r['reason']}")
+        print(f"  command: {r['cmd']}")
         print("--- stderr (tail) ---\n" + (r["stderr_tail"][-4000:].rstrip() or "(empty)"))
         print("--- stdout (tail) ---\n" + (r["stdout_tail"][-1500:].rstrip() or "(empty)"))
     print(f"\ntotal wall time {total_wall:.1f} s")

@@ -23,6 +23,10 @@ return from ``imh.init()``). On a worker, for each schedule in ``--schedules``:
 
 Each process prints ``RANKINFO {json}`` at exit (CPU seconds, peak RSS) for diagnosis.
 
+``--share-params FILE`` backs the parameters of every worker on the machine with one shared
+mapping (saves RAM; the compute replay never reads parameter values, and every byte is still
+broadcast, updated and communicated per worker; see :func:`share_parameters`).
+
     OMP_NUM_THREADS=1 mpiexec -n 4 -env IMERGE_NUM_SERVERS 2 python benchmarks/worker_replay.py \\
         --model alexnet --schedules default,imerge --time-scale 1 --iters 3
 
@@ -85,8 +89,33 @@ def _retire(opt) -> None:
     st.tables.pop(engine.client, None)
 
 
+def share_parameters(model: torch.nn.Module, path: str) -> None:
+    """Back every parameter with one file mapped MAP_SHARED by all workers of this machine.
+
+    Only the physical pages are shared (the replayed compute never reads parameter values):
+    each worker still broadcasts into, and SGD-updates, every parameter byte, and every
+    gradient byte still goes through its own IMerge buffers and the network. It keeps W copies
+    of VGG-16's 553 MB of parameters from exhausting the RAM of a one-machine emulation.
+    """
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    if any(p.dtype != torch.float32 for p in params):
+        raise ValueError("--share-params supports float32 parameters only")
+    if os.path.getsize(path) < total * 4:
+        raise ValueError(f"{path} holds {os.path.getsize(path)} bytes, need {total * 4}")
+    flat = torch.from_file(path, shared=True, size=total, dtype=torch.float32)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            p.data = flat[offset:offset + n].view_as(p)
+            offset += n
+
+
 def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict | None:
     model = ReplayModel(profile, time_scale=args.time_scale)
+    if args.share_params:
+        share_parameters(model, args.share_params)
     base = torch.optim.SGD(model.parameters(), lr=0.01)
     local = schedule == "local"
     if local:
@@ -167,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations (after profiling for planned ones)")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations")
+    ap.add_argument("--share-params", default=None, metavar="FILE",
+                    help="map all parameters from FILE (MAP_SHARED, pre-sized) to save RAM; see share_parameters")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     atexit.register(_rank_info)  # also runs on server ranks (init() exits them with SystemExit)

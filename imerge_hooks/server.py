@@ -60,6 +60,9 @@ class Server:
         self.epoch = -1
         self._registrations: dict[int, dict] = {}
         self.pushes = 0
+        self._shut: set[int] = set()  # workers that shut down
+        self._stage_ends = [0] * self.workers  # stage_end messages per worker (Lightning entry points)
+        self._stages = 0  # stages served so far
         self.joined: set[int] = set()  # workers out of data (imerge_hooks.join())
         self.last_joined = -1
         self._orphans: list = []  # (buffer, send requests) of keys dropped by a new plan epoch
@@ -74,7 +77,6 @@ class Server:
     # ------------------------------------------------------------------ main loop
     def serve(self, until: str = "shutdown") -> str:
         """Serve until every worker sent ``stage_end`` (returns "stage") or ``shutdown``."""
-        done: dict[str, set[int]] = {"stage_end": set(), "shutdown": set()}
         backoff = Backoff()
         status = MPI.Status()
         last_stall_check = time.monotonic()
@@ -106,18 +108,28 @@ class Server:
                 self._on_register(source, request)
             elif op == "join":
                 self._on_join(source)
-            elif op in done:
-                done[op].add(source)
+            elif op in ("stage_end", "shutdown"):
                 if op == "shutdown":
-                    done["stage_end"].add(source)
-                if len(done["shutdown"]) == self.workers:
+                    self._shut.add(source)
+                else:
+                    self._stage_ends[source] += 1
+                if len(self._shut) == self.workers:
                     self._finish("shutdown")
                     return "shutdown"
-                if until == "stage" and len(done["stage_end"]) == self.workers:
+                if until == "stage" and self._stage_complete():
+                    self._stages += 1
                     self._finish("stage")
                     return "stage"
             else:
                 log.error("IMerge server %d: unknown control op %r from rank %d", self.index, op, source)
+
+    def _stage_complete(self) -> bool:
+        """Every worker ended the current stage or shut down.
+
+        Counted across calls of serve(): a worker may already shut down (or end the next
+        stage) in the same burst of messages in which the last one ends this stage.
+        """
+        return all(self._stage_ends[w] > self._stages or w in self._shut for w in range(self.workers))
 
     def _finish(self, why: str) -> None:
         self._wait_sends()

@@ -112,7 +112,7 @@ def test_digits_example_reaches_good_accuracy():
 
 
 def test_devices_above_one_is_refused_clearly():
-    run = run_mpi(SCRIPTS / "lightning_misuse.py", 2, "devices2", servers=1, timeout=90).check()
+    run = run_mpi(SCRIPTS / "lightning_misuse.py", 2, "devices2", servers=1, timeout=120).check()
     for rank in (0, 1):  # the worker and the server are both told, and both exit cleanly
         (error,) = run.lines(rank, "ERROR")
         assert error.startswith("IMergeConfigError")
@@ -125,7 +125,7 @@ def test_single_process_without_mpiexec():
                OMP_NUM_THREADS="1")
     env.pop("IMERGE_NUM_SERVERS", None)
     proc = subprocess.run([sys.executable, str(SCRIPTS / "lightning_misuse.py"), "single"], capture_output=True,
-                          text=True, timeout=90, env=env, cwd=REPO)
+                          text=True, timeout=120, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("@0 single"))
     assert "world_size 1 global_zero True strategy IMergeStrategy steps 4" in line

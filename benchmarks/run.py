@@ -1,0 +1,793 @@
+"""IMerge benchmark runner: fusion schemes, schedules and scaling, measured on an emulated cluster
+and simulated from the calibrated cost model.
+
+    sudo .venv/bin/python benchmarks/run.py                      # the full run (see README: ~1 h)
+    sudo .venv/bin/python benchmarks/run.py --models vgg16 --workers 8      # one slice
+    .venv/bin/python benchmarks/run.py --no-measure             # simulated tables only (no root)
+    sudo .venv/bin/python benchmarks/run.py --quick             # smoke run (~1-2 min)
+    sudo .venv/bin/python benchmarks/run.py --timeline vgg16:8:imerge --models vgg16 --workers 8
+
+Three tables, each for ResNet-18, VGG-16, AlexNet and ResNet-50, one row per number of workers
+W and one column per scheme, cells in samples/s (whole cluster):
+
+1. fusion schemes: ``threshold``, ``mgwfbp``, ``adaptive-ps``;
+2. schedules: ``default``, ``wfbp``, ``priority``, ``mgwfbp``, ``imerge``;
+3. speed-up over one worker (the same replayed model in one process, no communication)
+   for every schedule of table 2, against the linear line.
+
+**Measured** (W in ``--workers``, default 2, 4, 8): ``benchmarks/netlab`` brings up W + S
+emulated hosts (network namespaces, veth, ``tc tbf`` at ``--bandwidth`` per host and
+direction), one MPI rank per host (servers last), and every rank runs
+``benchmarks/worker_replay.py``: a ``ReplayModel`` (real parameter shapes, compute = profiled
+sleeps times the time scale) trained with ``imerge_hooks.DistributedOptimizer``. One mpiexec
+launch per (model, W) runs every schedule one after the other. The PS cost model is
+calibrated once per (W, S, bandwidth) and cached under ``<out-dir>/cache/<bandwidth>/``.
+
+**Simulated** (W in ``--sim-workers``, default 4, 8, 16, 32): ``imerge_hooks.simulate`` with a
+``ClusterSpec`` matching the emulation (per-host bandwidth = link rate x TCP goodput 1448/1514,
+per-push server startup = calibrated PSModel ``a / W``), and the calibrated PSModel as the
+planner's cost model where one was measured for that W.
+
+For every measured run it prints the physical lower bound
+``max(compute per iteration, max(W/S, 1) * gradient bytes / per-host bandwidth)`` and the
+efficiency bound / measured; then the simulator's error against the measurement for W in
+``--validate-workers`` (default 4, 8), and the issue's targets at W=8, S=2, 1 Gbit/s
+(checked, not asserted). Everything goes to ``<out-dir>/<name>.json`` (written after every
+launch; ``--resume`` skips what is already there) and ``<name>-throughput.png`` /
+``<name>-speedup.png``.
+
+**Time scale.** Compute is the CPU profile (``benchmarks/profiles/*-cpu.json``, batch 8)
+times ``--time-scale``. What decides the schedules is the ratio of communication to
+computation, so the emulation at ``--bandwidth`` B_emu with time scale t has the ratio of a
+real cluster with links ``--real-bandwidth`` B_real whose devices are ``--speedup`` k times
+faster than the profiled CPU iff ``t = (B_real / B_emu) / k``. Default: B_real = 10 Gbit/s,
+k = 10, B_emu = 1 Gbit/s, so t = 1.0. ``--time-scale`` sets t directly.
+
+``--timeline [MODEL:W:SCHEDULE]`` runs one more measured launch of that configuration with
+``IMERGE_TIMELINE`` set (Chrome trace of every rank) and writes the simulator's trace of the
+same configuration next to it.
+
+Needs root for the measured part (network namespaces); never sends traffic outside loopback
+and the lab namespaces. ``netlab.down`` runs in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.netlab import netlab as nl  # noqa: E402
+
+WORKER = REPO / "benchmarks" / "worker_replay.py"
+PROFILES = REPO / "benchmarks" / "profiles"
+DEFAULT_OUT = REPO / "benchmarks" / "results"
+MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
+FUSION = ("threshold", "mgwfbp", "adaptive-ps")
+SCHEDULES = ("default", "wfbp", "priority", "mgwfbp", "imerge")
+PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")
+RUN_ORDER = ("default", "wfbp", "priority", "mgwfbp", "imerge", "threshold", "adaptive-ps")
+GOODPUT = 1448 / 1514  # TCP payload per 1514-byte Ethernet frame; netlab measures 0.96 of the rate
+FALLBACK_STARTUP_S = 200e-6  # per-push server work when no calibrated model exists (--sim-startup-us)
+
+
+# ---------------------------------------------------------------------------- small helpers
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_list(text: str, kind=str) -> list:
+    return [kind(v.strip()) for v in text.split(",") if v.strip()]
+
+
+def load_profile(model: str) -> dict:
+    with open(PROFILES / f"{model}-cpu.json") as f:
+        return json.load(f)
+
+
+def loadavg() -> list[float] | None:
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(v) for v in f.read().split()[:3]]
+    except OSError:
+        return None
+
+
+def fmt_s(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def model_facts(model: str, time_scale: float) -> dict:
+    p = load_profile(model)
+    fwd = sum(layer["forward_s"] for layer in p["layers"]) * time_scale
+    bwd = sum(layer["backward_s"] for layer in p["layers"]) * time_scale
+    nbytes = sum(prm["bytes"] for layer in p["layers"] for prm in layer["params"])
+    return {"compute_s": fwd + bwd, "forward_s": fwd, "backward_s": bwd, "bytes": nbytes,
+            "batch_size": int(p["batch_size"]), "tensors": sum(len(layer["params"]) for layer in p["layers"])}
+
+
+def physical_bound(facts: dict, workers: int, servers: int, bandwidth_Bps: float) -> dict:
+    """max(compute, max(W/S, 1) * bytes / B): a server port must take W/S of all pushes, a worker
+    port must carry its own bytes (for W >= S the issue's W * bytes / (S * B))."""
+    comm = max(workers / servers, 1.0) * facts["bytes"] / bandwidth_Bps
+    return {"compute_s": facts["compute_s"], "comm_s": comm, "bound_s": max(facts["compute_s"], comm)}
+
+
+# ---------------------------------------------------------------------------- simulation
+def cached_psmodel(cache_dir: Path, workers: int, servers: int):
+    from imerge_hooks.costmodel import PSModel
+
+    paths = sorted(glob.glob(str(cache_dir / f"psmodel-{workers}w-{servers}s-*.json")))
+    if not paths:
+        return None
+    try:
+        return PSModel.from_json(paths[-1])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def startup_for(workers: int, psmodels: dict, fallback: float) -> tuple[float, str]:
+    """Per-push server startup: calibrated a / W at this W, else the median over calibrated W."""
+    if workers in psmodels:
+        return psmodels[workers].a / workers, f"calibrated W={workers}"
+    if psmodels:
+        return statistics.median(m.a / w for w, m in psmodels.items()), \
+            f"median of calibrated W={sorted(psmodels)}"
+    return fallback, "fallback (no calibration)"
+
+
+def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidth_Bps: float, startup_s: float,
+                 time_scale: float, cost_model=None, timeline: bool = False):
+    from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
+
+    spec = ModelSpec.from_profile_json(PROFILES / f"{model}-cpu.json")
+    cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth_Bps * GOODPUT,
+                          startup_s=startup_s, time_scale=time_scale)
+    return simulate(spec, cluster, schedule, cost_model=cost_model, timeline=timeline)
+
+
+# ---------------------------------------------------------------------------- measured jobs
+class Job:
+    def __init__(self, model: str, workers: int, schedules: list[str], estimate_s: float, nbytes: int) -> None:
+        self.model, self.workers, self.schedules, self.estimate_s = model, workers, schedules, estimate_s
+        self.nbytes = nbytes
+
+
+def mem_available() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def estimate_peak_memory(nbytes: int, workers: int, servers: int, shared: bool) -> float:
+    """Peak RAM of one launch (measured on this box: a rank is ~0.4 GB of Python + torch; a
+    worker holds its gradients' flat buffer and result buffer (2x the gradient bytes), plus
+    transients of up to ~0.8x while a new plan's buffers are built or the first gradients are
+    allocated, plus its parameters unless shared; a server holds 2x its share of the bytes,
+    4x while a plan epoch changes)."""
+    base = 0.4e9
+    worker = base + 2.8 * nbytes + (0 if shared else nbytes)
+    server = base + 4.0 * nbytes / servers
+    return workers * worker + servers * server + (nbytes if shared else 0)
+
+
+def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str | None = None) -> dict:
+    """One mpiexec launch over the lab: every schedule of ``job`` for one model and W."""
+    W, S = job.workers, args.servers
+    hosts = W + S
+    argv = [sys.executable, str(WORKER), "--model", job.model, "--schedules", ",".join(job.schedules),
+            "--time-scale", repr(args.time_scale), "--iters", str(args.iters), "--warmup", str(args.warmup),
+            "--profile-steps", str(args.profile_steps)]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IMERGE_NUM_SERVERS": str(S),
+           "IMERGE_COST_MODEL_PATH": str(cache_dir / "psmodel-{workers}w-{servers}s-{hosts}.json"),
+           "IMERGE_TIMEOUT_S": str(int(args.imerge_timeout)), "PYTHONPATH": str(REPO)}
+    if timeline_path:
+        env["IMERGE_TIMELINE"] = timeline_path
+    tag = f"{job.model}-w{W}-s{S}" + ("-timeline" if timeline_path else "")
+    need = estimate_peak_memory(job.nbytes, W, S, args.share_params)
+    waited = 0.0
+    while (avail := mem_available()) is not None and need > 0.9 * avail:
+        if waited >= args.mem_wait:
+            msg = (f"skipped: needs ~{need / 1e9:.1f} GB of RAM, MemAvailable {avail / 1e9:.1f} GB "
+                   f"(waited {waited:.0f} s); running it could invoke the OOM killer")
+            log(f"   !! {tag} {msg}")
+            return {"results": [], "info": {"model": job.model, "workers": W, "servers": S, "rc": None,
+                                            "schedules": job.schedules, "missing": job.schedules, "skipped": msg}}
+        if waited == 0:
+            log(f"   {tag}: waiting for RAM (needs ~{need / 1e9:.1f} GB, MemAvailable {avail / 1e9:.1f} GB)")
+        time.sleep(10.0)
+        waited += 10.0
+    share = None
+    if args.share_params:
+        share = f"/dev/shm/imerge-bench-{job.model}-{os.getpid()}.params"
+        with open(share, "wb") as fh:
+            fh.truncate(job.nbytes)
+        argv += ["--share-params", share]
+    cmd = nl.mpiexec_cmd([argv] * hosts, hosts=hosts, prefix=args.prefix, extra_env=env)
+    (log_dir / f"{tag}.cmd").write_text(shlex.join(cmd) + "\n")
+    try:
+        return _launch(job, args, cmd, tag, log_dir, need)
+    finally:
+        if share:
+            os.unlink(share)
+
+
+def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float) -> dict:
+    W, S = job.workers, args.servers
+    hosts = W + S
+    counters0 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
+    load0, t0 = loadavg(), time.perf_counter()
+    timeout = args.job_timeout or max(300.0, 3.0 * job.estimate_s + 240.0)
+    results: list[dict] = []
+    rankinfo: list[dict] = []
+    with open(log_dir / f"{tag}.stderr", "w") as err, open(log_dir / f"{tag}.stdout", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        timed_out = threading.Event()
+
+        def kill_after() -> None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out.set()
+                try:
+                    os.killpg(proc.pid, 9)
+                except ProcessLookupError:
+                    pass
+
+        threading.Thread(target=kill_after, daemon=True).start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            out.flush()
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT "):])
+                results.append(res)
+                log(f"      {job.model} W={W} {res['schedule']:<12} {res['iteration_s']:8.3f} s/iter "
+                    f"{res['samples_per_s']:8.2f} samples/s  ({fmt_s(time.perf_counter() - t0)} into the launch)")
+            elif line.startswith("RANKINFO "):
+                rankinfo.append(json.loads(line[len("RANKINFO "):]))
+        rc = proc.wait()
+    wall = time.perf_counter() - t0
+    counters1 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
+    tx = [c1["tx_bytes"] - c0["tx_bytes"] for c0, c1 in zip(counters0, counters1)]
+    rx = [c1["rx_bytes"] - c0["rx_bytes"] for c0, c1 in zip(counters0, counters1)]
+    cpu = sum(r.get("cpu_s", 0.0) for r in rankinfo)
+    info = {"model": job.model, "workers": W, "servers": S, "schedules": job.schedules, "rc": rc,
+            "timed_out": timed_out.is_set(), "wall_s": wall, "estimate_s": job.estimate_s,
+            "loadavg_before": load0, "loadavg_after": loadavg(), "veth_tx_bytes": tx, "veth_rx_bytes": rx,
+            "rank_cpu_s": cpu, "cpu_utilisation": cpu / (wall * (os.cpu_count() or 1)) if wall > 0 else None,
+            "max_rss_mb": max((r.get("maxrss_mb", 0.0) for r in rankinfo), default=None),
+            "estimated_peak_ram_gb": need / 1e9, "shared_params": bool(args.share_params),
+            "rankinfo": rankinfo, "log": str(log_dir / f"{tag}.stderr")}
+    if rc != 0 or len(results) < len(job.schedules):
+        missing = [s for s in job.schedules if s not in {r["schedule"] for r in results}]
+        tail = (log_dir / f"{tag}.stderr").read_text()[-3000:]
+        log(f"   !! launch {tag} exit code {rc}{' (timed out)' if timed_out.is_set() else ''}; "
+            f"missing {missing}; stderr tail:\n{tail}")
+        info["missing"] = missing
+    return {"results": results, "info": info}
+
+
+def run_baseline(model: str, args, log_dir: Path) -> dict | None:
+    """One worker, no communication: the same replay in one process (speed-up denominator)."""
+    argv = [sys.executable, str(WORKER), "--model", model, "--schedules", "local", "--time-scale",
+            repr(args.time_scale), "--iters", str(max(args.iters, 3)), "--warmup", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for k in [k for k in env if k.startswith("IMERGE_") or k.startswith("PMI_")]:
+        env.pop(k)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    except subprocess.TimeoutExpired:
+        log(f"   !! baseline {model} timed out")
+        return None
+    (log_dir / f"{model}-local.stdout").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    log(f"   !! baseline {model} failed (rc {proc.returncode}): {proc.stderr[-1500:]}")
+    return None
+
+
+# ---------------------------------------------------------------------------- tables
+def table_text(title: str, rows: dict, columns: list[str], fmt) -> str:
+    """rows: {W: {column: value}} -> aligned text table (missing cells '-')."""
+    cells = {w: [fmt(rows[w][c], w, c) if rows[w].get(c) is not None else "-" for c in columns] for w in rows}
+    widths = [max([len(c)] + [len(cells[w][i]) for w in cells]) + 2 for i, c in enumerate(columns)]
+    lines = [title, f"{'W':>4}" + "".join(f"{c:>{n}}" for c, n in zip(columns, widths))]
+    for w in sorted(rows):
+        lines.append(f"{w:>4}" + "".join(f"{v:>{n}}" for v, n in zip(cells[w], widths)))
+    return "\n".join(lines)
+
+
+def by_model(runs: list[dict], value="samples_per_s") -> dict:
+    out: dict = {}
+    for r in runs:
+        out.setdefault(r["model"], {}).setdefault(r["workers"], {})[r["schedule"]] = r[value]
+    return out
+
+
+def jsonable_tables(tp: dict, baseline: dict, models: list[str], fusion: list[str], schedules: list[str]) -> dict:
+    """{table: {model: {W (str): {column: samples/s}}}}; speed-up cells are samples/s plus speedup."""
+    t1, t2, t3 = {}, {}, {}
+    for m in models:
+        rows = tp.get(m, {})
+        t1[m] = {str(w): {s: rows[w][s] for s in fusion if s in rows[w]} for w in sorted(rows)}
+        t2[m] = {str(w): {s: rows[w][s] for s in schedules if s in rows[w]} for w in sorted(rows)}
+        base = baseline.get(m)
+        t3[m] = {"one_worker_samples_per_s": base, "rows": {}}
+        for w in sorted(rows):
+            t3[m]["rows"][str(w)] = {s: {"samples_per_s": rows[w][s],
+                                         "speedup": rows[w][s] / base if base else None}
+                                     for s in schedules if s in rows[w]}
+            t3[m]["rows"][str(w)]["linear"] = {"samples_per_s": base * w if base else None, "speedup": float(w)}
+    return {"fusion": t1, "schedules": t2, "speedup": t3}
+
+
+def print_tables(kind: str, tp: dict, baseline: dict, models: list[str], fusion: list[str],
+                 schedules: list[str]) -> None:
+    num = lambda v, w, c: f"{v:.1f}"  # noqa: E731
+    for m in models:
+        rows = tp.get(m)
+        if not rows:
+            continue
+        print()
+        if fusion:
+            print(table_text(f"[{kind}] Table 1 - fusion schemes, {m}: samples/s", rows, fusion, num))
+        print(table_text(f"[{kind}] Table 2 - schedules, {m}: samples/s", rows, schedules, num))
+        base = baseline.get(m)
+        if base:
+            srows = {w: dict(rows[w], linear=base * w) for w in rows}
+            sp = lambda v, w, c: f"{v:.1f} ({v / base:.2f}x)"  # noqa: E731
+            print(table_text(f"[{kind}] Table 3 - speed-up over one worker ({base:.2f} samples/s), {m}: "
+                             "samples/s (speed-up)", srows, list(schedules) + ["linear"], sp))
+
+
+# ---------------------------------------------------------------------------- plots
+def draw_plots(out_dir: Path, name: str, meas: dict, sim: dict, base_meas: dict, base_sim: dict,
+               models: list[str], schedules: list[str]) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plots")
+        return []
+    colours = {s: f"C{i}" for i, s in enumerate(RUN_ORDER)}
+    paths = []
+    for what in ("throughput", "speedup"):
+        n = len(models)
+        cols = 2 if n > 1 else 1
+        rows_n = math.ceil(n / cols)
+        fig, axes = plt.subplots(rows_n, cols, figsize=(6.2 * cols, 4.4 * rows_n), squeeze=False)
+        for ax, m in zip(axes.flat, models):
+            for label, data, base, style in (("measured", meas, base_meas, "o-"), ("simulated", sim, base_sim, "x--")):
+                rows = data.get(m, {})
+                for s in schedules:
+                    ws = [w for w in sorted(rows) if s in rows[w]]
+                    if not ws:
+                        continue
+                    ys = [rows[w][s] for w in ws]
+                    if what == "speedup":
+                        if not base.get(m):
+                            continue
+                        ys = [y / base[m] for y in ys]
+                    ax.plot(ws, ys, style, color=colours.get(s, "k"), label=f"{s} ({label})", alpha=0.9)
+            if what == "speedup":
+                allw = sorted({w for d in (meas, sim) for w in d.get(m, {})} | {1})
+                ax.plot(allw, allw, ":", color="k", label="linear")
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log", base=2)
+                ax.set_ylabel("speed-up over one worker")
+            else:
+                ax.set_xscale("log", base=2)
+                ax.set_ylabel("samples/s (cluster)")
+            ax.set_xlabel("workers")
+            ax.set_title(m)
+            ax.grid(True, which="both", alpha=0.3)
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+        fig.suptitle(f"IMerge {what}: measured (solid, emulated cluster) vs simulated (dashed)")
+        fig.tight_layout(rect=(0, 0.1, 1, 0.96))
+        path = out_dir / f"{name}-{what}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    return paths
+
+
+# ---------------------------------------------------------------------------- targets
+def check_targets(meas: dict, eff: dict, models: list[str], W: int) -> list[dict]:
+    out = []
+    for m in models:
+        row = meas.get(m, {}).get(W)
+        if not row:
+            continue
+        if "imerge" in row:
+            best = max(row, key=row.get)
+            out.append({"target": "imerge fastest", "model": m, "pass": best == "imerge",
+                        "detail": f"best {best} {row[best]:.2f} samples/s, imerge {row['imerge']:.2f}"})
+        if m in ("vgg16", "alexnet") and "imerge" in row and "default" in row:
+            r = row["imerge"] / row["default"]
+            out.append({"target": "imerge >= 1.5x default", "model": m, "pass": r >= 1.5, "detail": f"{r:.2f}x"})
+        if all(s in row for s in ("adaptive-ps", "mgwfbp", "threshold")):
+            a, g, t = row["adaptive-ps"], row["mgwfbp"], row["threshold"]
+            out.append({"target": "adaptive-ps >= mgwfbp >= threshold", "model": m, "pass": a >= g >= t,
+                        "detail": f"{a:.2f} / {g:.2f} / {t:.2f}"})
+        e = eff.get(m, {}).get(W, {}).get("imerge")
+        if e is not None:
+            out.append({"target": "imerge >= 85% of the physical bound", "model": m, "pass": e >= 0.85,
+                        "detail": f"{100 * e:.0f}%"})
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--workers", default="2,4,8", help="measured W (emulated cluster)")
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--bandwidth", default="1gbit", help="per-host link rate in each direction (tc syntax)")
+    ap.add_argument("--time-scale", type=float, default=None, help="factor on the profiled compute times")
+    ap.add_argument("--real-bandwidth", default="10gbit", help="link rate of the cluster being emulated")
+    ap.add_argument("--speedup", type=float, default=10.0, help="its devices' speed over the CPU profile")
+    ap.add_argument("--fusion-schedules", default=",".join(FUSION))
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--iters", type=int, default=2, help="timed iterations per schedule")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations (after profiling, for planned)")
+    ap.add_argument("--profile-steps", type=int, default=2, help="profiled iterations of planned schedules")
+    ap.add_argument("--sim-workers", default="4,8,16,32")
+    ap.add_argument("--validate-workers", default="4,8")
+    ap.add_argument("--sim-startup-us", type=float, default=None,
+                    help="server startup per push for the simulator (default: calibrated a/W)")
+    ap.add_argument("--no-measure", action="store_true", help="simulated tables only (no netlab, no root)")
+    ap.add_argument("--timeline", nargs="?", const="auto", default=None, metavar="MODEL:W:SCHEDULE",
+                    help="one extra measured launch with IMERGE_TIMELINE + the simulator's trace")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: alexnet, W=2, S=1, 10gbit, default+imerge (+adaptive-ps), 2 iterations")
+    ap.add_argument("--out-dir", default=str(DEFAULT_OUT))
+    ap.add_argument("--name", default=None, help="file stem (default bench, or quick)")
+    ap.add_argument("--prefix", default=os.environ.get("NETLAB_PREFIX", "imlab"), help="netlab prefix")
+    ap.add_argument("--job-timeout", type=float, default=None, help="seconds per launch (default from estimate)")
+    ap.add_argument("--imerge-timeout", type=float, default=600.0, help="IMERGE_TIMEOUT_S of the ranks")
+    ap.add_argument("--no-share-params", dest="share_params", action="store_false",
+                    help="give every worker its own parameter memory (default: one shared mapping, saves RAM)")
+    ap.add_argument("--mem-wait", type=float, default=300.0, help="seconds to wait for free RAM before skipping")
+    ap.add_argument("--resume", action="store_true", help="keep measured runs already in the JSON")
+    ap.add_argument("--recalibrate", action="store_true", help="delete the cached PS models first")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
+    if args.quick:
+        quick = {"--models": ("models", "alexnet"), "--workers": ("workers", "2"), "--servers": ("servers", 1),
+                 "--bandwidth": ("bandwidth", "10gbit"), "--time-scale": ("time_scale", 1.0),
+                 "--schedules": ("schedules", "default,imerge"), "--fusion-schedules": ("fusion_schedules", ""),
+                 "--iters": ("iters", 2), "--profile-steps": ("profile_steps", 1),
+                 "--sim-workers": ("sim_workers", "4,8"), "--validate-workers": ("validate_workers", "2"),
+                 "--name": ("name", "quick")}
+        for flag, (attr, value) in quick.items():
+            if flag not in given:
+                setattr(args, attr, value)
+    args.name = args.name or "bench"
+    args.models = parse_list(args.models)
+    for m in args.models:
+        if not (PROFILES / f"{m}-cpu.json").exists():
+            ap.error(f"no profile benchmarks/profiles/{m}-cpu.json")
+    args.workers = sorted(set(parse_list(args.workers, int)))
+    args.sim_workers = sorted(set(parse_list(args.sim_workers, int)))
+    args.validate_workers = sorted(set(parse_list(args.validate_workers, int)))
+    args.fusion = parse_list(args.fusion_schedules)
+    args.table2 = parse_list(args.schedules)
+    from imerge_hooks.config import SCHEDULES as KNOWN
+
+    for s in args.fusion + args.table2:
+        if s not in KNOWN:
+            ap.error(f"unknown schedule {s!r} (known: {', '.join(KNOWN)})")
+    args.all_schedules = [s for s in RUN_ORDER if s in set(args.fusion) | set(args.table2)]
+    args.all_schedules += [s for s in dict.fromkeys(args.table2 + args.fusion) if s not in args.all_schedules]
+    args.bandwidth_Bps = nl.parse_rate(args.bandwidth) / 8.0
+    if args.time_scale is None:
+        args.time_scale = (nl.parse_rate(args.real_bandwidth) / nl.parse_rate(args.bandwidth)) / args.speedup
+        args.time_scale_why = (f"time scale {args.time_scale:g} = ({args.real_bandwidth} / {args.bandwidth}) / "
+                               f"speedup {args.speedup:g}: the emulation has the communication/computation "
+                               f"ratio of a cluster with {args.real_bandwidth} links whose devices run the "
+                               f"batch-{8} iteration {args.speedup:g}x faster than the profiled CPU")
+    else:
+        equiv = nl.parse_rate(args.real_bandwidth) / nl.parse_rate(args.bandwidth) / args.time_scale
+        args.time_scale_why = (f"time scale {args.time_scale:g} (given): at {args.bandwidth} this is the "
+                               f"communication/computation ratio of a cluster with {args.real_bandwidth} links "
+                               f"whose devices are {equiv:g}x faster than the profiled CPU")
+    if args.iters < 1 or args.warmup < 0 or args.profile_steps < 1:
+        ap.error("--iters >= 1, --warmup >= 0, --profile-steps >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = out_dir / "logs" / args.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = out_dir / "cache" / nl.format_rate(nl.parse_rate(args.bandwidth))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{args.name}.json"
+    S, ts, B = args.servers, args.time_scale, args.bandwidth_Bps
+    facts = {m: model_facts(m, ts) for m in args.models}
+    t_start = time.perf_counter()
+
+    print(f"IMerge benchmark: models {', '.join(args.models)}; measured W {args.workers} "
+          f"{'(skipped: --no-measure)' if args.no_measure else ''}, simulated W {args.sim_workers}; S={S}; "
+          f"{args.bandwidth} per host and direction ({B / 1e6:.1f} MB/s, TCP goodput {B * GOODPUT / 1e6:.1f} MB/s)")
+    print(args.time_scale_why)
+    wref = max(args.workers or args.sim_workers)
+    for m, f in facts.items():
+        pb = physical_bound(f, wref, S, B)
+        print(f"  {m:<9} {f['bytes'] / 1e6:7.1f} MB in {f['tensors']:3d} tensors, compute {f['compute_s']:.3f} s/iter "
+              f"(batch {f['batch_size']}); at W={wref}: comm bound {pb['comm_s']:.2f} s, "
+              f"comm/compute {pb['comm_s'] / f['compute_s']:.2f}")
+
+    doc: dict = {}
+    if args.resume and json_path.exists():
+        doc = json.loads(json_path.read_text())
+    from benchmarks.calibrate import machine_info
+
+    config = {"models": args.models, "workers": args.workers, "servers": S, "bandwidth": args.bandwidth,
+              "bandwidth_Bps": B, "goodput": GOODPUT, "time_scale": ts, "time_scale_why": args.time_scale_why,
+              "iters": args.iters, "warmup": args.warmup, "profile_steps": args.profile_steps,
+              "fusion_schedules": args.fusion, "schedules": args.table2, "sim_workers": args.sim_workers,
+              "validate_workers": args.validate_workers, "prefix": args.prefix,
+              "argv": sys.argv[1:] if argv is None else argv}
+    same = doc.get("config", {})
+    keep = args.resume and all(same.get(k) == config[k] for k in ("servers", "bandwidth", "time_scale", "iters",
+                                                                   "warmup", "profile_steps"))
+    measured_runs: list[dict] = doc.get("measured", {}).get("runs", []) if keep else []
+    launches: list[dict] = doc.get("measured", {}).get("launches", []) if keep else []
+    baseline_runs: dict = doc.get("measured", {}).get("baseline", {}) if keep else {}
+    doc = {"description": "IMerge benchmark (benchmarks/run.py): cells are samples/s of the whole cluster",
+           "config": config, "machine": machine_info(),
+           "measured": {"runs": measured_runs, "launches": launches, "baseline": baseline_runs}}
+    doc["machine"]["omp_num_threads"] = "1 (ranks)"
+
+    def save() -> None:
+        tmp = json_path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        os.replace(tmp, json_path)
+
+    if args.recalibrate:
+        for p in cache_dir.glob("psmodel-*.json"):
+            p.unlink()
+
+    # ------------------------------------------------------------------ measured
+    if not args.no_measure:
+        why = None if os.geteuid() == 0 else "needs root (network namespaces)"
+        why = why or nl.netlab_available()
+        if why:
+            log(f"netlab unavailable: {why}")
+            return 2
+        startup0 = (args.sim_startup_us * 1e-6 if args.sim_startup_us is not None else
+                    startup_for(0, {w: m for w in args.workers if (m := cached_psmodel(cache_dir, w, S))},
+                                FALLBACK_STARTUP_S)[0])
+        done = {(r["model"], r["workers"], r["schedule"]) for r in measured_runs}
+        jobs: list[Job] = []
+        for W in sorted(args.workers, reverse=True):  # the largest W first (table 2 at W=8 matters most)
+            for m in args.models:
+                todo = [s for s in args.all_schedules if (m, W, s) not in done]
+                if not todo:
+                    continue
+                est = 20.0 + 3.0 * (W + S)  # launch: W+S Python processes importing torch on few cores
+                wfbp_t = simulate_one(m, W, S, "wfbp", B, startup0, ts).iteration_s
+                for s in todo:
+                    t = simulate_one(m, W, S, s, B, startup0, ts).iteration_s
+                    est += (args.warmup + args.iters) * t + (args.profile_steps * wfbp_t if s in PLANNED else 0)
+                jobs.append(Job(m, W, todo, est, facts[m]["bytes"]))
+        total_est = sum(j.estimate_s for j in jobs)
+        log(f"{len(jobs)} launches; estimated {fmt_s(total_est)} of measurement (simulator-based estimate; "
+            "calibration and a loaded CPU add to it)")
+        for m in args.models:
+            if m not in baseline_runs:
+                log(f"  one-worker baseline {m} (one process, no communication) ...")
+                res = run_baseline(m, args, log_dir)
+                if res:
+                    baseline_runs[m] = res
+                    save()
+        current_hosts = None
+        spent_est = 0.0
+        try:
+            for k, job in enumerate(jobs, 1):
+                hosts = job.workers + S
+                if hosts != current_hosts:
+                    nl.up(hosts=hosts, bandwidth=args.bandwidth, prefix=args.prefix)
+                    current_hosts = hosts
+                elapsed = time.perf_counter() - t_start
+                rate = elapsed / spent_est if spent_est > 0 else 1.0
+                left = (total_est - spent_est) * max(rate, 1.0)
+                log(f"[{k}/{len(jobs)}] measured {job.model} W={job.workers} S={S} ({len(job.schedules)} schedules: "
+                    f"{','.join(job.schedules)}); estimate {fmt_s(job.estimate_s)}; elapsed {fmt_s(elapsed)}, "
+                    f"ETA ~{fmt_s(left)}")
+                out = run_job(job, args, cache_dir, log_dir)
+                spent_est += job.estimate_s
+                for r in out["results"]:
+                    r.update(bandwidth=args.bandwidth, loadavg=out["info"]["loadavg_after"])
+                    measured_runs.append(r)
+                launches.append(out["info"])
+                save()
+            if args.timeline:
+                spec = args.timeline
+                if spec == "auto":
+                    spec = f"{args.models[0]}:{max(args.workers)}:{'imerge' if 'imerge' in args.all_schedules else args.all_schedules[0]}"
+                tm, tw, tsched = spec.split(":")
+                tw = int(tw)
+                nl.up(hosts=tw + S, bandwidth=args.bandwidth, prefix=args.prefix)
+                stem = out_dir / f"timeline-{tm}-w{tw}-s{S}-{tsched}"
+                log(f"[timeline] measured {tm} W={tw} {tsched} with IMERGE_TIMELINE={stem}-measured.json")
+                out = run_job(Job(tm, tw, [tsched], 600.0, facts[tm]["bytes"]), args, cache_dir, log_dir,
+                              timeline_path=f"{stem}-measured.json")
+                psm = cached_psmodel(cache_dir, tw, S)
+                st, _ = startup_for(tw, {tw: psm} if psm else {}, FALLBACK_STARTUP_S)
+                sres = simulate_one(tm, tw, S, tsched, B, st, ts, cost_model=psm, timeline=True)
+                sres.to_chrome_trace(f"{stem}-simulated.json")
+                doc["timeline"] = {"model": tm, "workers": tw, "servers": S, "schedule": tsched,
+                                   "measured_trace": f"{stem}-measured.json", "simulated_trace": f"{stem}-simulated.json",
+                                   "measured": out["results"], "simulated_iteration_s": sres.iteration_s,
+                                   "info": out["info"]}
+                print(f"\nTimeline {tm} W={tw} S={S} {tsched}: measured "
+                      f"{out['results'][0]['iteration_s'] if out['results'] else float('nan'):.3f} s/iter "
+                      f"(with tracing), simulated {sres.iteration_s:.3f} s/iter\n  {stem}-measured.json\n"
+                      f"  {stem}-simulated.json  (open in https://ui.perfetto.dev)")
+                save()
+        finally:
+            nl.down(prefix=args.prefix)
+
+    # ------------------------------------------------------------------ calibration + simulation
+    psmodels = {w: m for w in sorted(set(args.workers) | set(args.sim_workers))
+                if (m := cached_psmodel(cache_dir, w, S)) is not None}
+    doc["calibration"] = {str(w): {"a_s": m.a, "bandwidth_Bps_per_server": m.bandwidth, "startup_per_push_s": m.a / w,
+                                   "table": {"bytes": m.sizes, "time_s": m.times}} for w, m in psmodels.items()}
+    if psmodels:
+        print("\nCalibrated PS models (cache " + str(cache_dir) + "):")
+        for w, m in psmodels.items():
+            print(f"  {m.describe()}  -> startup per push a/W = {m.a / w * 1e6:.0f} us")
+    sim_runs = []
+    log(f"simulating W {args.sim_workers} ...")
+    for W in args.sim_workers:
+        for m in args.models:
+            if args.sim_startup_us is not None:
+                st, src = args.sim_startup_us * 1e-6, "--sim-startup-us"
+            else:
+                st, src = startup_for(W, psmodels, FALLBACK_STARTUP_S)
+            for s in args.all_schedules:
+                r = simulate_one(m, W, S, s, B, st, ts, cost_model=psmodels.get(W))
+                sim_runs.append({"model": m, "workers": W, "servers": S, "schedule": s, "iteration_s": r.iteration_s,
+                                 "samples_per_s": r.throughput, "startup_s": st, "startup_source": src,
+                                 "groups": len(r.groups), "keys": len(r.keys),
+                                 "cost_model": "calibrated" if W in psmodels else "simulated calibration"})
+    sim_base = {m: facts[m]["batch_size"] / facts[m]["compute_s"] for m in args.models}
+    doc["simulated"] = {"runs": sim_runs, "baseline": sim_base}
+
+    # ------------------------------------------------------------------ tables
+    meas_tp = by_model(measured_runs)
+    meas_base = {m: r["samples_per_s"] for m, r in baseline_runs.items()}
+    sim_tp = by_model(sim_runs)
+    doc["tables"] = {"measured": jsonable_tables(meas_tp, meas_base, args.models, args.fusion, args.table2),
+                     "simulated": jsonable_tables(sim_tp, sim_base, args.models, args.fusion, args.table2)}
+    if measured_runs:
+        print("\n==== MEASURED (emulated cluster: netlab, one rank per host) ====")
+        print_tables("measured", meas_tp, meas_base, args.models, args.fusion, args.table2)
+    print("\n==== SIMULATED (imerge_hooks.simulate, ClusterSpec of the emulation) ====")
+    print_tables("simulated", sim_tp, sim_base, args.models, args.fusion, args.table2)
+
+    # ------------------------------------------------------------------ bound + efficiency
+    eff: dict = {}
+    if measured_runs:
+        print("\n==== Physical lower bound max(compute, max(W/S,1) * bytes / B) and efficiency = bound / measured ====")
+        for r in measured_runs:
+            pb = physical_bound(facts[r["model"]], r["workers"], S, B)
+            r.update(bound_s=pb["bound_s"], bound_compute_s=pb["compute_s"], bound_comm_s=pb["comm_s"],
+                     efficiency=pb["bound_s"] / r["iteration_s"])
+            eff.setdefault(r["model"], {}).setdefault(r["workers"], {})[r["schedule"]] = r["efficiency"]
+        for m in args.models:
+            rows = {w: {s: v for s, v in d.items()} for w, d in eff.get(m, {}).items()}
+            if not rows:
+                continue
+            bounds = {w: physical_bound(facts[m], w, S, B) for w in rows}
+            print()
+            print(table_text(f"{m}: efficiency (bound / measured iteration time)", rows, args.all_schedules,
+                             lambda v, w, c: f"{100 * v:.0f}%"))
+            for w in sorted(bounds):
+                b = bounds[w]
+                print(f"     W={w}: bound {b['bound_s']:.3f} s/iter = max(compute {b['compute_s']:.3f}, "
+                      f"comm {b['comm_s']:.3f}) -> {w * facts[m]['batch_size'] / b['bound_s']:.1f} samples/s")
+        doc["efficiency"] = {m: {str(w): d for w, d in v.items()} for m, v in eff.items()}
+
+    # ------------------------------------------------------------------ simulator validation
+    if measured_runs:
+        val = []
+        vw = [w for w in args.validate_workers if w in args.workers]
+        for r in measured_runs:
+            if r["workers"] not in vw:
+                continue
+            W = r["workers"]
+            psm = psmodels.get(W)
+            st, src = ((args.sim_startup_us * 1e-6, "--sim-startup-us") if args.sim_startup_us is not None
+                       else startup_for(W, psmodels, FALLBACK_STARTUP_S))
+            p = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm)
+            val.append({"model": r["model"], "workers": W, "schedule": r["schedule"], "measured_s": r["iteration_s"],
+                        "predicted_s": p.iteration_s, "error": (p.iteration_s - r["iteration_s"]) / r["iteration_s"],
+                        "startup_s": st, "startup_source": src, "measured_groups": r.get("groups"),
+                        "predicted_groups": len(p.groups)})
+        doc["validation"] = val
+        if val:
+            print("\n==== Simulator validation: predicted vs measured iteration time (error = pred/meas - 1; "
+                  "target |error| <= 15%) ====")
+            for m in args.models:
+                rows: dict = {}
+                for v in val:
+                    if v["model"] == m:
+                        rows.setdefault(v["workers"], {})[v["schedule"]] = v
+                if rows:
+                    print()
+                    print(table_text(f"{m}: predicted / measured s (error)", rows, args.all_schedules,
+                                     lambda v, w, c: f"{v['predicted_s']:.2f}/{v['measured_s']:.2f} "
+                                                     f"({100 * v['error']:+.0f}%)"))
+            errs = [abs(v["error"]) for v in val]
+            within = sum(e <= 0.15 for e in errs)
+            print(f"\n  {within}/{len(errs)} within 15%; median |error| {100 * statistics.median(errs):.0f}%, "
+                  f"max {100 * max(errs):.0f}%")
+
+    # ------------------------------------------------------------------ targets
+    target_w = 8 if 8 in args.workers else (max(args.workers) if args.workers else None)
+    if measured_runs and target_w:
+        tgt = check_targets(meas_tp, eff, args.models, target_w)
+        note = "" if (target_w == 8 and S == 2 and nl.parse_rate(args.bandwidth) == 10**9) else \
+            f" (NOTE: the issue's targets are for W=8, S=2, 1gbit; this run is W={target_w}, S={S}, {args.bandwidth})"
+        print(f"\n==== Targets at W={target_w} (checked, not asserted){note} ====")
+        for t in tgt:
+            print(f"  [{'ok' if t['pass'] else 'MISS'}] {t['model']:<9} {t['target']:<38} {t['detail']}")
+        doc["targets"] = {"workers": target_w, "checks": tgt}
+    sim_tgt_w = 8 if 8 in args.sim_workers else None
+    if sim_tgt_w:
+        eff_sim: dict = {}
+        for r in sim_runs:
+            if r["workers"] == sim_tgt_w:
+                pb = physical_bound(facts[r["model"]], sim_tgt_w, S, B)
+                eff_sim.setdefault(r["model"], {}).setdefault(sim_tgt_w, {})[r["schedule"]] = pb["bound_s"] / r["iteration_s"]
+        doc["targets_simulated"] = check_targets(sim_tp, eff_sim, args.models, sim_tgt_w)
+
+    if not args.no_plots:
+        doc["plots"] = draw_plots(out_dir, args.name, meas_tp, sim_tp, meas_base, sim_base, args.models,
+                                  args.all_schedules)
+        for p in doc["plots"]:
+            print(f"plot: {p}")
+    doc["total_wall_s"] = time.perf_counter() - t_start
+    save()
+    print(f"JSON: {json_path}  ({fmt_s(doc['total_wall_s'])})")
+    failed = [la for la in launches if la.get("rc") or la.get("missing")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
