@@ -192,19 +192,27 @@ def estimate_peak_memory(nbytes: int, workers: int, servers: int, shared: bool) 
     return workers * worker + servers * server + (nbytes if shared else 0)
 
 
-def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str | None = None) -> dict:
+def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str | None = None,
+            baseline: bool = False) -> dict:
     """One mpiexec launch over the lab: every schedule of ``job`` for one model and W."""
     W, S = job.workers, args.servers
     hosts = W + S
     argv = [sys.executable, str(WORKER), "--model", job.model, "--schedules", ",".join(job.schedules),
             "--time-scale", repr(args.time_scale), "--iters", str(args.iters), "--warmup", str(args.warmup),
-            "--profile-steps", str(args.profile_steps)]
+            "--profile-steps", str(args.profile_steps)] + (["--baseline"] if baseline else [])
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IMERGE_NUM_SERVERS": str(S),
            "IMERGE_COST_MODEL_PATH": str(cache_dir / "psmodel-{workers}w-{servers}s-{hosts}.json"),
            "IMERGE_TIMEOUT_S": str(int(args.imerge_timeout)), "PYTHONPATH": str(REPO)}
     if timeline_path:
         env["IMERGE_TIMELINE"] = timeline_path
     tag = f"{job.model}-w{W}-s{S}" + ("-timeline" if timeline_path else "")
+    if args.max_load is not None:
+        t_wait = time.perf_counter()
+        while (la := loadavg()) and la[0] > args.max_load and time.perf_counter() - t_wait < 900:
+            if time.perf_counter() - t_wait < 1:
+                log(f"   {tag}: waiting (up to 15 min) for the 1-min load average {la[0]:.1f} to drop "
+                    f"below {args.max_load:g}")
+            time.sleep(15.0)
     need = estimate_peak_memory(job.nbytes, W, S, args.share_params)
     waited = 0.0
     while (avail := mem_available()) is not None and need > 0.9 * avail:
@@ -280,33 +288,13 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
             "max_rss_mb": max((r.get("maxrss_mb", 0.0) for r in rankinfo), default=None),
             "estimated_peak_ram_gb": need / 1e9, "shared_params": bool(args.share_params),
             "rankinfo": rankinfo, "log": str(log_dir / f"{tag}.stderr")}
-    if rc != 0 or len(results) < len(job.schedules):
-        missing = [s for s in job.schedules if s not in {r["schedule"] for r in results}]
+    missing = [s for s in job.schedules if s not in {r["schedule"] for r in results}]
+    if rc != 0 or missing:
         tail = (log_dir / f"{tag}.stderr").read_text()[-3000:]
         log(f"   !! launch {tag} exit code {rc}{' (timed out)' if timed_out.is_set() else ''}; "
             f"missing {missing}; stderr tail:\n{tail}")
         info["missing"] = missing
     return {"results": results, "info": info}
-
-
-def run_baseline(model: str, args, log_dir: Path) -> dict | None:
-    """One worker, no communication: the same replay in one process (speed-up denominator)."""
-    argv = [sys.executable, str(WORKER), "--model", model, "--schedules", "local", "--time-scale",
-            repr(args.time_scale), "--iters", str(max(args.iters, 3)), "--warmup", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for k in [k for k in env if k.startswith("IMERGE_") or k.startswith("PMI_")]:
-        env.pop(k)
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
-    except subprocess.TimeoutExpired:
-        log(f"   !! baseline {model} timed out")
-        return None
-    (log_dir / f"{model}-local.stdout").write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    log(f"   !! baseline {model} failed (rc {proc.returncode}): {proc.stderr[-1500:]}")
-    return None
 
 
 # ---------------------------------------------------------------------------- tables
@@ -476,6 +464,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--imerge-timeout", type=float, default=600.0, help="IMERGE_TIMEOUT_S of the ranks")
     ap.add_argument("--no-share-params", dest="share_params", action="store_false",
                     help="give every worker its own parameter memory (default: one shared mapping, saves RAM)")
+    ap.add_argument("--max-load", type=float, default=None,
+                    help="before each launch wait (up to 15 min) until the 1-min load average is below this")
     ap.add_argument("--mem-wait", type=float, default=300.0, help="seconds to wait for free RAM before skipping")
     ap.add_argument("--resume", action="store_true", help="keep measured runs already in the JSON")
     ap.add_argument("--recalibrate", action="store_true", help="delete the cached PS models first")
@@ -598,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
                 todo = [s for s in args.all_schedules if (m, W, s) not in done]
                 if not todo:
                     continue
-                est = 20.0 + 3.0 * (W + S)  # launch: W+S Python processes importing torch on few cores
+                est = 20.0 + 3.0 * (W + S) + (args.warmup + args.iters) * facts[m]["compute_s"]  # launch: W+S Python processes importing torch on few cores
                 wfbp_t = simulate_one(m, W, S, "wfbp", B, startup0, ts).iteration_s
                 for s in todo:
                     t = simulate_one(m, W, S, s, B, startup0, ts).iteration_s
@@ -607,13 +597,6 @@ def main(argv: list[str] | None = None) -> int:
         total_est = sum(j.estimate_s for j in jobs)
         log(f"{len(jobs)} launches; estimated {fmt_s(total_est)} of measurement (simulator-based estimate; "
             "calibration and a loaded CPU add to it)")
-        for m in args.models:
-            if m not in baseline_runs:
-                log(f"  one-worker baseline {m} (one process, no communication) ...")
-                res = run_baseline(m, args, log_dir)
-                if res:
-                    baseline_runs[m] = res
-                    save()
         current_hosts = None
         spent_est = 0.0
         try:
@@ -628,11 +611,15 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"[{k}/{len(jobs)}] measured {job.model} W={job.workers} S={S} ({len(job.schedules)} schedules: "
                     f"{','.join(job.schedules)}); estimate {fmt_s(job.estimate_s)}; elapsed {fmt_s(elapsed)}, "
                     f"ETA ~{fmt_s(left)}")
-                out = run_job(job, args, cache_dir, log_dir)
+                out = run_job(job, args, cache_dir, log_dir, baseline=job.model not in baseline_runs)
                 spent_est += job.estimate_s
                 for r in out["results"]:
-                    r.update(bandwidth=args.bandwidth, loadavg=out["info"]["loadavg_after"])
-                    measured_runs.append(r)
+                    r.update(bandwidth=args.bandwidth, loadavg=out["info"].get("loadavg_after"))
+                    if r["schedule"] == "local":
+                        r["measured_in_launch"] = f"W={job.workers} S={S} (worker 0 alone, others idle)"
+                        baseline_runs[job.model] = r
+                    else:
+                        measured_runs.append(r)
                 launches.append(out["info"])
                 save()
             if args.timeline:

@@ -31,8 +31,9 @@ broadcast, updated and communicated per worker; see :func:`share_parameters`).
         --model alexnet --schedules default,imerge --time-scale 1 --iters 3
 
 Run it with ``OMP_NUM_THREADS=1`` (see ``benchmarks/replay.py``). A single process with no
-server trains locally with no communication: that is the one-worker baseline of the speed-up
-table (``--schedules local``).
+server trains locally with no communication (``--schedules local``); ``--baseline`` measures
+the same one-worker baseline on worker 0 inside a cluster launch (the speed-up table's
+denominator) before the schedules, while the other ranks wait idle.
 """
 
 from __future__ import annotations
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations (after profiling for planned ones)")
     ap.add_argument("--iters", type=int, default=3, help="timed iterations")
+    ap.add_argument("--baseline", action="store_true",
+                    help="first time one worker alone with no communication (schedule 'local')")
     ap.add_argument("--share-params", default=None, metavar="FILE",
                     help="map all parameters from FILE (MAP_SHARED, pre-sized) to save RAM; see share_parameters")
     args = ap.parse_args(argv)
@@ -216,6 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     imh.init()  # servers serve here and exit
     topo = runtime.topology()
     comm = topo.worker_comm if topo.num_workers > 1 else None
+    if args.baseline:
+        # One worker, no communication, in this same process (no extra launch): worker 0 trains
+        # alone while the others wait in a sleeping poll (a blocking MPI barrier would spin a core).
+        if topo.worker_rank == 0:
+            res = run_schedule("local", profile, args, None, None)
+            print("RESULT " + json.dumps(res), flush=True)
+        if comm is not None:
+            req = comm.Ibarrier()
+            while not req.Test():
+                time.sleep(0.02)
     for schedule in schedules:
         res = run_schedule(schedule, profile, args, imh, comm)
         if res is not None:

@@ -284,6 +284,7 @@ class GradientEngine:
         self.flush_deferred()
         changed = self.trainable_changed()
         if not self.pending_gradients and not any(g.submitted for g in self.groups) and not changed:
+            self.without_gradient = set()
             return  # nothing was computed since the last step
         self.push_remaining()
         wait_start = time.monotonic()
