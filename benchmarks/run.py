@@ -470,6 +470,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--resume", action="store_true", help="keep measured runs already in the JSON")
     ap.add_argument("--recalibrate", action="store_true", help="delete the cached PS models first")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--dry-run", action="store_true", help="list the launches with time and RAM estimates, run nothing")
     args = ap.parse_args(argv)
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
     if args.quick:
@@ -597,6 +598,12 @@ def main(argv: list[str] | None = None) -> int:
         total_est = sum(j.estimate_s for j in jobs)
         log(f"{len(jobs)} launches; estimated {fmt_s(total_est)} of measurement (simulator-based estimate; "
             "calibration and a loaded CPU add to it)")
+        if args.dry_run:
+            for j in jobs:
+                print(f"  {j.model:<9} W={j.workers:<3} {fmt_s(j.estimate_s):>9}  peak RAM ~"
+                      f"{estimate_peak_memory(j.nbytes, j.workers, S, args.share_params) / 1e9:.1f} GB  "
+                      f"{','.join(j.schedules)}")
+            return 0
         current_hosts = None
         spent_est = 0.0
         try:

@@ -15,6 +15,8 @@ compares the hook's annotations by identity.
 """
 
 import logging
+import statistics
+import time
 from typing import Any
 
 import torch
@@ -24,12 +26,13 @@ from . import runtime
 from .config import Config
 from .errors import IMergeConfigError
 from .layout import Group, Placement, cut_keys, dtype_name, names_in_range
+from .planner import plan
 from .scheduler import SchedulePolicy
 from .transport import SUPPORTED_DTYPES, KeySpec
 
 log = logging.getLogger("imerge")
 
-_BUCKET_SCHEDULES = ("default", "wfbp", "priority")
+_BUCKET_SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps")
 
 
 class IMergeHookState:
@@ -47,9 +50,9 @@ class IMergeHookState:
         self.cfg = Config.from_env(runtime.config(), schedule=schedule, **config)
         if self.cfg.schedule not in _BUCKET_SCHEDULES:
             raise IMergeConfigError(
-                f"IMerge: schedule {self.cfg.schedule!r} plans its own fusion, which DDP's buckets fix already; the "
-                f"DDP hook supports {', '.join(_BUCKET_SCHEDULES)} (tune fusion with DDP's bucket_cap_mb), or use "
-                "imerge_hooks.DistributedOptimizer / strategy='imerge' for the planned schedules")
+                f"IMerge: schedule {self.cfg.schedule!r} overlaps with the next forward pass, which a DDP comm hook "
+                f"cannot; the DDP hook supports {', '.join(_BUCKET_SCHEDULES)}; use "
+                "imerge_hooks.DistributedOptimizer or strategy='imerge' for it")
         if self.cfg.overlap_forward:
             raise IMergeConfigError("IMerge: overlap_forward is impossible through a DDP comm hook (DDP waits for "
                                     "every bucket before step()); use imerge_hooks.DistributedOptimizer")
@@ -63,6 +66,15 @@ class IMergeHookState:
         self.groups: dict[int, Group] = {}  # bucket index -> group
         self.layout: dict[int, tuple] = {}  # bucket index -> (numel, dtype, device, names)
         self.epoch = 0
+        # Planned schedules: DDP buckets are the planner's tensors; adjacent buckets are merged.
+        self.planned = self.cfg.traits.planner != "none"
+        self.iteration = 0
+        self.ready: dict[int, float] = {}  # bucket index -> seconds after the first bucket
+        self.samples: list[dict[int, float]] = []
+        self.merged: list[Group] | None = None  # planned groups of buckets (after profiling)
+        self.merged_of: dict[int, int] = {}  # bucket index -> merged group index
+        self.pending: dict[int, tuple] = {}  # bucket index -> (buffer, future) until its group is done
+        self.first_ready: float | None = None
 
     def _bucket_names(self, bucket: dist.GradBucket) -> list[tuple[str, int, int]]:
         spans, offset = [], 0
@@ -90,6 +102,7 @@ class IMergeHookState:
         # A bucket index beyond the known ones, or with a new shape: DDP built or rebuilt its buckets.
         if index == 0:
             self.groups, self.layout = {}, {}
+            self.merged, self.merged_of, self.samples = None, {}, []  # re-profile the new buckets
         numel, esize = buffer.numel(), buffer.element_size()
         ranges = cut_keys(numel, esize, self.cfg.partition_bytes if self.cfg.traits.partition else None,
                           self.topo.num_servers)
@@ -113,8 +126,100 @@ class IMergeHookState:
                  self.topo.worker_rank, index, numel * esize, len(keys), self.epoch)
 
 
+    # ------------------------------------------------------------------ planned fusion of buckets
+    def note_ready(self, bucket: dist.GradBucket) -> None:
+        now = time.monotonic()
+        if self.first_ready is None:
+            self.first_ready = now
+        self.ready[bucket.index()] = now - self.first_ready
+        if bucket.is_last():
+            self.iteration += 1
+            if self.iteration > 2:  # DDP rebuilds its buckets after the first iteration(s)
+                self.samples.append(dict(self.ready))
+            self.ready, self.first_ready = {}, None
+
+    def maybe_plan(self) -> None:
+        """At an iteration boundary after profile_steps, merge adjacent buckets (a plan epoch)."""
+        if self.merged is not None or len(self.samples) < max(1, self.cfg.profile_steps - 2) or self.ready:
+            return
+        from .replan import cost_model_for
+
+        order = sorted(self.groups)
+        sizes = [self.groups[b].nbytes for b in order]
+        ready = [statistics.median(s.get(b, 0.0) for s in self.samples) for b in order]
+        model = cost_model_for(self.cfg.traits.planner) if self.topo.num_servers else None
+        decision = None
+        if self.topo.worker_rank == 0:
+            decision = plan(sizes, ready, model, self.cfg.traits.planner,
+                            fusion_threshold_bytes=self.cfg.fusion_threshold_bytes,
+                            dtypes=[str(self.groups[b].flat.dtype) for b in order]).groups
+        decision = self.topo.worker_comm.bcast(decision, root=0)
+        placement = Placement(self.topo.num_servers)
+        merged, keys = [], []
+        for gi, members in enumerate(decision):
+            buckets = [order[j] for j in members]
+            flat = torch.cat([self.groups[b].flat.detach().reshape(-1) for b in buckets])
+            ranges = cut_keys(flat.numel(), flat.element_size(), None, self.topo.num_servers)
+            ids = runtime.allocate_keys(len(ranges))
+            names = tuple(n for b in buckets for n in self.groups[b].names)
+            spans, offset = [], 0
+            for b in buckets:
+                for n in self.groups[b].names:
+                    spans.append((n, offset, 0))
+                offset += self.groups[b].flat.numel()
+            gkeys = [KeySpec(k, (e - s_) * flat.element_size(), SUPPORTED_DTYPES[flat.dtype],
+                             placement.place((e - s_) * flat.element_size()), names)
+                     for k, (s_, e) in zip(ids, ranges)]
+            keys += gkeys
+            on_host = flat.device.type == "cpu"
+            merged.append(Group(index=gi, flat=flat, result=torch.empty_like(flat, device="cpu"), keys=gkeys,
+                                key_ranges=ranges, priority=-min(buckets), names=names, members=buckets,
+                                staging=None if on_host else torch.empty_like(flat, device="cpu")))
+            for b in buckets:
+                self.merged_of[b] = gi
+        self.merged = merged
+        self.epoch = runtime.register_keys(self.client, keys)
+        log.info("IMerge worker %d: DDP buckets merged into %d groups (%s plan), plan epoch %d",
+                 self.topo.worker_rank, len(merged), self.cfg.traits.planner, self.epoch)
+
+    def push_merged(self, bucket: dist.GradBucket, future: torch.futures.Future) -> None:
+        group = self.merged[self.merged_of[bucket.index()]]
+        offset = 0
+        for b in group.members:
+            if b == bucket.index():
+                break
+            offset += self.groups[b].flat.numel()
+        buffer = bucket.buffer()
+        group.flat[offset:offset + buffer.numel()].copy_(buffer.reshape(-1))
+        self.pending[bucket.index()] = (buffer, future, offset)
+        if any(b not in self.pending for b in group.members):
+            return
+
+        def complete(error: BaseException | None, group: Group = group) -> None:
+            for b in group.members:
+                buf, fut, off = self.pending.pop(b)
+                if error is not None:
+                    fut.set_exception(error)
+                    continue
+                buf.reshape(-1).copy_(group.flat[off:off + buf.numel()])
+                fut.set_result(buf)
+
+        group.callbacks.append(complete)
+        self.comm.submit(group, self.policy)
+
+
 def ps_hook(state: IMergeHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket`` over the workers through the parameter servers."""
+    if state.planned and state.comm is not None:
+        if bucket.index() == 0:
+            state.maybe_plan()
+        state.note_ready(bucket)
+        if state.merged is not None and bucket.index() in state.merged_of \
+                and state.groups.get(bucket.index()) is not None \
+                and state.layout.get(bucket.index(), (None,))[0] == bucket.buffer().numel():
+            future = torch.futures.Future()
+            state.push_merged(bucket, future)
+            return future
     group = state.group_for(bucket)
     buffer = bucket.buffer()
     if buffer.device.type == "cuda":

@@ -32,3 +32,15 @@ def test_hook_matches_ddp_allreduce(tmp_path, workers, servers):
 def test_hook_with_no_sync_accumulation_and_priority(tmp_path):
     ours = train(tmp_path, "hook", 2, 2, "--hook", "--accumulate", "2", "--schedule", "priority")
     assert max_diff(ours, reference_train("sgd", 5)) <= TOL
+
+
+@pytest.mark.parametrize("schedule", ["threshold", "adaptive-ps"])
+def test_planned_fusion_of_ddp_buckets(tmp_path, schedule):
+    """After profiling, adjacent DDP buckets are merged by the planner (a plan epoch change)."""
+    out = tmp_path / "hook.pt"
+    env = {"IMERGE_PROFILE_STEPS": "3", "IMERGE_FUSION_THRESHOLD_BYTES": "60000", "IMERGE_LOG_LEVEL": "INFO",
+           "IMERGE_COST_MODEL_PATH": str(tmp_path / "ps-{workers}w-{servers}s-{hosts}.json")}
+    run = run_mpi(SCRIPT, 4, str(out), "--hook", "--schedule", schedule, "--steps", "7", servers=2, env=env,
+                  timeout=150).check()
+    assert "DDP buckets merged into" in run.stderr
+    assert max_diff(torch.load(out), reference_train("sgd", 7)) <= TOL

@@ -1,0 +1,115 @@
+"""Smoke tests of ``benchmarks/run.py`` (the benchmark runner); no timing is asserted.
+
+* ``test_simulated_tables_only``: ``--no-measure`` (no netlab, no root, always runs): the
+  simulated fusion, schedule and speed-up tables land in the JSON, with the PNG plots.
+* ``test_quick_measured_run``: ``--quick`` on the emulated cluster (alexnet, W=2, S=1,
+  default + imerge, two timed iterations, plus one ``--timeline`` launch): skipped unless root and ``ip netns`` work
+  (``benchmarks.netlab.netlab_available``). Uses its own netlab prefix and output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "run.py"
+PREFIX = "imlabbench"  # never the benchmarks' default "imlab"
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(REPO), env=_env())
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"benchmarks/run.py did not finish in {timeout:.0f} s\n--- stdout ---\n{exc.stdout}"
+                    f"\n--- stderr ---\n{exc.stderr}")
+
+
+def _output(proc: subprocess.CompletedProcess) -> str:
+    return f"exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+
+
+def test_simulated_tables_only(tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = _run([sys.executable, str(SCRIPT), "--no-measure", "--models", "alexnet,resnet18", "--sim-workers", "4,8",
+                 "--servers", "2", "--out-dir", str(tmp_path), "--name", "sim"], timeout=240)
+    out = _output(proc)
+    assert proc.returncode == 0, out
+    data = json.loads((tmp_path / "sim.json").read_text())
+    sim = data["tables"]["simulated"]
+    for table in ("fusion", "schedules", "speedup"):
+        assert set(sim[table]) == {"alexnet", "resnet18"}, out
+    assert set(sim["fusion"]["alexnet"]) == {"4", "8"}
+    assert set(sim["fusion"]["alexnet"]["8"]) == {"threshold", "mgwfbp", "adaptive-ps"}
+    assert set(sim["schedules"]["resnet18"]["4"]) == {"default", "wfbp", "priority", "mgwfbp", "imerge"}
+    assert all(v > 0 for row in sim["schedules"]["alexnet"].values() for v in row.values())
+    sp = sim["speedup"]["alexnet"]
+    assert sp["one_worker_samples_per_s"] > 0 and sp["rows"]["8"]["linear"]["speedup"] == 8.0
+    assert 0 < sp["rows"]["8"]["imerge"]["speedup"] <= 8.0 + 1e-9
+    assert not data["measured"]["runs"]
+    for p in data["plots"]:
+        assert Path(p).exists() and Path(p).stat().st_size > 0
+    for title in ("Table 1 - fusion schemes, alexnet", "Table 2 - schedules, resnet18", "Table 3 - speed-up"):
+        assert title in proc.stdout, out
+
+
+def _netlab_skip() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root"
+    try:
+        from benchmarks.netlab import netlab as nl
+    except ImportError as exc:  # pragma: no cover
+        return f"netlab import failed: {exc}"
+    return nl.netlab_available(prefix=PREFIX + "p")
+
+
+_SKIP = _netlab_skip()
+
+
+@pytest.mark.skipif(_SKIP is not None, reason=f"netlab unavailable: {_SKIP}")
+def test_quick_measured_run(tmp_path):
+    pytest.importorskip("mpi4py")
+    pytest.importorskip("matplotlib")
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--models", "alexnet", "--workers", "2", "--servers", "1",
+           "--schedules", "default,imerge", "--fusion-schedules", "", "--iters", "2", "--warmup", "1",
+           "--profile-steps", "1", "--time-scale", "0.2", "--sim-workers", "4", "--validate-workers", "2",
+           "--timeline", "alexnet:2:imerge", "--prefix", PREFIX, "--out-dir", str(tmp_path), "--name", "quick",
+           "--job-timeout", "150"]
+    try:
+        proc = _run(cmd, timeout=240)
+    finally:
+        from benchmarks.netlab import netlab as nl
+
+        nl.down(prefix=PREFIX)
+    out = _output(proc)
+    data = json.loads((tmp_path / "quick.json").read_text())
+    assert proc.returncode == 0, out
+    runs = data["measured"]["runs"]
+    assert {r["schedule"] for r in runs} == {"default", "imerge"}, out
+    for r in runs:
+        assert r["workers"] == 2 and r["servers"] == 1 and r["samples_per_s"] > 0, out
+        assert r["bound_s"] > 0 and r["efficiency"] > 0, out
+    launch = data["measured"]["launches"][0]
+    assert launch["rc"] == 0 and min(launch["veth_rx_bytes"]) > 244e6, out  # gradients crossed the veths
+    meas = data["tables"]["measured"]
+    assert meas["fusion"]["alexnet"] == {"2": {}}, out  # no fusion scheme asked for: an empty table
+    assert set(meas["schedules"]["alexnet"]["2"]) == {"default", "imerge"}, out
+    assert meas["speedup"]["alexnet"]["one_worker_samples_per_s"] > 0, out
+    assert data["tables"]["simulated"]["schedules"]["alexnet"]["4"]["imerge"] > 0
+    assert {v["schedule"] for v in data["validation"]} == {"default", "imerge"}, out
+    assert data["measured"]["baseline"]["alexnet"]["schedule"] == "local", out
+    tl = data["timeline"]
+    assert Path(tl["measured_trace"]).exists() and Path(tl["simulated_trace"]).exists(), out
+    assert json.loads(Path(tl["simulated_trace"]).read_text())["traceEvents"], out
+    assert json.loads(Path(tl["measured_trace"]).read_text())["traceEvents"], out
+    assert "Table 2 - schedules, alexnet" in proc.stdout and "efficiency" in proc.stdout, out
+    assert nl.list_namespaces(PREFIX) == []
