@@ -31,6 +31,8 @@ CPU. Expect small differences; this measures the library as installed (nothing i
 A run that fails (non-zero exit, no RESULT line) or hangs (killed after ``--timeout`` s) is
 reported with its command and stderr, kept in the JSON under ``failures``, and the script
 exits 1. A run that printed its RESULT and then exited non-zero is counted but marked ``*``.
+Each run records the git HEAD and a hash of ``imerge_hooks/`` at launch (the package is installed
+editable), and the notes warn when the library changed while the benchmark ran.
 """
 
 from __future__ import annotations
@@ -171,6 +173,26 @@ def cost_model_file(cache_dir: Path, servers: int) -> Path:
     return cache_dir / COST_MODEL_TEMPLATE.format(workers=WORKERS, servers=servers, hosts=digest)
 
 
+def library_digest() -> str:
+    """sha1 over the library's source files now (the package is installed editable: edits apply at once)."""
+    h = hashlib.sha1()
+    for path in sorted((REPO / "imerge_hooks").rglob("*.py")):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        h.update(str(path.relative_to(REPO)).encode() + b"\0" + data + b"\0")
+    return h.hexdigest()[:12]
+
+
+def git_head() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=str(REPO)).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def run_env(servers: int, cache_dir: Path, timeout: float) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"IMERGE_NUM_SERVERS": str(servers), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -249,6 +271,7 @@ def run_one(schedule: str, servers: int, rnd: int, args: argparse.Namespace) -> 
     cmd = [mpiexec_path(), "-n", str(WORKERS + servers), sys.executable, str(EXAMPLE), "--schedule", schedule,
            "--image-size", str(args.image_size), "--batch-size", str(args.batch_size),
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--model", args.model]
+    digest, head = library_digest(), git_head()
     res = launch(cmd, run_env(servers, args.cache_dir, args.timeout), args.timeout)
     parsed = parse_result(res["stdout"])
     rate = parsed.get("samples_per_s") if isinstance(parsed, dict) else None
@@ -257,7 +280,8 @@ def run_one(schedule: str, servers: int, rnd: int, args: argparse.Namespace) -> 
     run = {"schedule": schedule, "servers": servers, "workers": WORKERS, "round": rnd,
            "samples_per_s": float(rate) if ok_rate else None, "result": parsed, "clean_exit": clean,
            "ok": ok_rate, "cmd": res["cmd"], "returncode": res["returncode"], "timed_out": res["timed_out"],
-           "wall_s": res["wall_s"], "loadavg_before": res["loadavg_before"], "reason": None}
+           "wall_s": res["wall_s"], "loadavg_before": res["loadavg_before"], "imerge_src_sha1": digest,
+           "git_head": head, "reason": None}
     if not (ok_rate and clean):
         why = (f"timed out after {args.timeout:.0f} s (job killed)" if res["timed_out"]
                else f"exit code {res['returncode']}")
@@ -423,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
         "Communication here is a memory copy and ranks outnumber cores, so schedule differences are small and "
         "partly CPU contention; they do not predict a real network.",
     ]
+    digests = list(dict.fromkeys(r["imerge_src_sha1"] for r in runs))
+    if len(digests) > 1:
+        notes.append(f"WARNING: imerge_hooks/ source changed during the benchmark ({len(digests)} versions, "
+                     f"git HEADs {', '.join(dict.fromkeys(str(r['git_head']) for r in runs))}); runs are tagged "
+                     "with imerge_src_sha1 in the JSON.")
     if any(e["unclean_runs"] for cell in summary.values() for e in cell.values()):
         notes.append("* some runs printed a RESULT and then exited non-zero (counted; see failures).")
 
