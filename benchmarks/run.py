@@ -167,6 +167,7 @@ class Job:
     def __init__(self, model: str, workers: int, schedules: list[str], estimate_s: float, nbytes: int) -> None:
         self.model, self.workers, self.schedules, self.estimate_s = model, workers, schedules, estimate_s
         self.nbytes = nbytes
+        self.iters: int | None = None  # timed iterations (None: --iters)
 
 
 def mem_available() -> float | None:
@@ -181,14 +182,15 @@ def mem_available() -> float | None:
 
 
 def estimate_peak_memory(nbytes: int, workers: int, servers: int, shared: bool) -> float:
-    """Peak RAM of one launch (measured on this box: a rank is ~0.4 GB of Python + torch; a
-    worker holds its gradients' flat buffer and result buffer (2x the gradient bytes), plus
-    transients of up to ~0.8x while a new plan's buffers are built or the first gradients are
-    allocated, plus its parameters unless shared; a server holds 2x its share of the bytes,
-    4x while a plan epoch changes)."""
+    """Peak RAM of one launch, from what was measured on this box (VGG-16, W=8, S=2): a rank is
+    ~0.4 GB of Python + torch; a worker holds its gradients' flat buffer and result buffer (2x
+    the gradient bytes) plus up to ~0.6x more while a new plan's buffers are built or the first
+    gradients are allocated, plus its parameters unless they are shared (then one shared copy);
+    a server holds 2x its share of the bytes, and up to ~6x around plan epoch changes (old keys'
+    buffers are kept until their result sends complete)."""
     base = 0.4e9
-    worker = base + 2.8 * nbytes + (0 if shared else nbytes)
-    server = base + 4.0 * nbytes / servers
+    worker = base + 2.6 * nbytes + (0 if shared else nbytes)
+    server = base + 6.0 * nbytes / servers
     return workers * worker + servers * server + (nbytes if shared else 0)
 
 
@@ -198,7 +200,7 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
     W, S = job.workers, args.servers
     hosts = W + S
     argv = [sys.executable, str(WORKER), "--model", job.model, "--schedules", ",".join(job.schedules),
-            "--time-scale", repr(args.time_scale), "--iters", str(args.iters), "--warmup", str(args.warmup),
+            "--time-scale", repr(args.time_scale), "--iters", str(job.iters or args.iters), "--warmup", str(args.warmup),
             "--profile-steps", str(args.profile_steps)] + (["--baseline"] if baseline else [])
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IMERGE_NUM_SERVERS": str(S),
            "IMERGE_COST_MODEL_PATH": str(cache_dir / "psmodel-{workers}w-{servers}s-{hosts}.json"),
@@ -215,7 +217,7 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
             time.sleep(15.0)
     need = estimate_peak_memory(job.nbytes, W, S, args.share_params)
     waited = 0.0
-    while (avail := mem_available()) is not None and need > 0.9 * avail:
+    while (avail := mem_available()) is not None and need > args.mem_fraction * avail:
         if waited >= args.mem_wait:
             msg = (f"skipped: needs ~{need / 1e9:.1f} GB of RAM, MemAvailable {avail / 1e9:.1f} GB "
                    f"(waited {waited:.0f} s); running it could invoke the OOM killer")
@@ -445,7 +447,10 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--speedup", type=float, default=10.0, help="its devices' speed over the CPU profile")
     ap.add_argument("--fusion-schedules", default=",".join(FUSION))
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
-    ap.add_argument("--iters", type=int, default=2, help="timed iterations per schedule")
+    ap.add_argument("--iters", type=int, default=2, help="timed iterations per schedule (at least)")
+    ap.add_argument("--min-timed-s", type=float, default=8.0,
+                    help="raise the timed iterations of a launch until they take about this long (estimate)")
+    ap.add_argument("--max-iters", type=int, default=8, help="cap for that")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations (after profiling, for planned)")
     ap.add_argument("--profile-steps", type=int, default=2, help="profiled iterations of planned schedules")
     ap.add_argument("--sim-workers", default="4,8,16,32")
@@ -467,6 +472,9 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--max-load", type=float, default=None,
                     help="before each launch wait (up to 15 min) until the 1-min load average is below this")
     ap.add_argument("--mem-wait", type=float, default=300.0, help="seconds to wait for free RAM before skipping")
+    ap.add_argument("--mem-fraction", type=float, default=0.95,
+                    help="run a launch only if its estimated peak RAM is below this fraction of MemAvailable "
+                         "(ranks also set oom_score_adj=1000, so an OOM kills a benchmark rank first)")
     ap.add_argument("--resume", action="store_true", help="keep measured runs already in the JSON")
     ap.add_argument("--recalibrate", action="store_true", help="delete the cached PS models first")
     ap.add_argument("--no-plots", action="store_true")
@@ -548,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"models": args.models, "workers": args.workers, "servers": S, "bandwidth": args.bandwidth,
               "bandwidth_Bps": B, "goodput": GOODPUT, "time_scale": ts, "time_scale_why": args.time_scale_why,
-              "iters": args.iters, "warmup": args.warmup, "profile_steps": args.profile_steps,
+              "iters": args.iters, "min_timed_s": args.min_timed_s, "max_iters": args.max_iters, "warmup": args.warmup, "profile_steps": args.profile_steps,
               "fusion_schedules": args.fusion, "schedules": args.table2, "sim_workers": args.sim_workers,
               "validate_workers": args.validate_workers, "prefix": args.prefix,
               "argv": sys.argv[1:] if argv is None else argv}
@@ -589,18 +597,23 @@ def main(argv: list[str] | None = None) -> int:
                 todo = [s for s in args.all_schedules if (m, W, s) not in done]
                 if not todo:
                     continue
-                est = 20.0 + 3.0 * (W + S) + (args.warmup + args.iters) * facts[m]["compute_s"]  # launch: W+S Python processes importing torch on few cores
-                wfbp_t = simulate_one(m, W, S, "wfbp", B, startup0, ts).iteration_s
+                sim_t = {s: simulate_one(m, W, S, s, B, startup0, ts).iteration_s for s in set(todo) | {"wfbp"}}
+                # more timed iterations where they are cheap: about --min-timed-s of timed run per schedule
+                iters = max(args.iters, min(args.max_iters, math.ceil(args.min_timed_s / statistics.median(
+                    sim_t[s] for s in todo))))
+                # launch (W+S Python processes importing torch on few cores) + the one-worker baseline
+                est = 20.0 + 3.0 * (W + S) + (args.warmup + iters) * facts[m]["compute_s"]
                 for s in todo:
-                    t = simulate_one(m, W, S, s, B, startup0, ts).iteration_s
-                    est += (args.warmup + args.iters) * t + (args.profile_steps * wfbp_t if s in PLANNED else 0)
-                jobs.append(Job(m, W, todo, est, facts[m]["bytes"]))
+                    est += (args.warmup + iters) * sim_t[s] + (args.profile_steps * sim_t["wfbp"] if s in PLANNED else 0)
+                job = Job(m, W, todo, est, facts[m]["bytes"])
+                job.iters = iters
+                jobs.append(job)
         total_est = sum(j.estimate_s for j in jobs)
         log(f"{len(jobs)} launches; estimated {fmt_s(total_est)} of measurement (simulator-based estimate; "
             "calibration and a loaded CPU add to it)")
         if args.dry_run:
             for j in jobs:
-                print(f"  {j.model:<9} W={j.workers:<3} {fmt_s(j.estimate_s):>9}  peak RAM ~"
+                print(f"  {j.model:<9} W={j.workers:<3} {fmt_s(j.estimate_s):>9}  {j.iters} timed iters  peak RAM ~"
                       f"{estimate_peak_memory(j.nbytes, j.workers, S, args.share_params) / 1e9:.1f} GB  "
                       f"{','.join(j.schedules)}")
             return 0

@@ -67,6 +67,16 @@ def _rank_info() -> None:
     print("RANKINFO " + json.dumps(info), flush=True)
 
 
+def _prefer_oom_kill() -> None:
+    """Make this rank the kernel's first choice if the machine runs out of RAM (VGG-16 with 8
+    workers needs most of a 24 GB box): a failed benchmark launch, not someone else's process."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
+
+
 def _retire(opt) -> None:
     """Drop an engine so the next schedule starts clean and memory is returned.
 
@@ -88,6 +98,36 @@ def _retire(opt) -> None:
         engine.replanner.profiler.close()
     runtime.register_keys(engine.client, [])
     st.tables.pop(engine.client, None)
+    _flush_comm_thread()
+
+
+def _flush_comm_thread() -> None:
+    """Send one 4-byte key through the comm thread (collective over workers).
+
+    Works around an engine retention: ``scheduler.CommThread._run`` keeps the last group, task
+    and in-flight op it handled in its frame's locals (``item``, ``group``, ``task``, ``op``),
+    so a retired engine's flat and result buffers stay alive until the next group goes
+    through; with a one-group plan (mgwfbp on VGG-16) that is 2x the gradient bytes per worker,
+    which ran an 8-worker VGG-16 launch out of RAM. Pushing a tiny group replaces them.
+    """
+    from imerge_hooks import runtime
+    from imerge_hooks.layout import Group
+    from imerge_hooks.scheduler import SchedulePolicy
+    from imerge_hooks.transport import KeySpec
+
+    comm = runtime.comm_thread()
+    if comm is None:
+        return
+    client = runtime.new_client_id()
+    (key,) = runtime.allocate_keys(1)
+    spec = KeySpec(key, 4, "float32", 0, ("bench.flush",))
+    group = Group(index=0, flat=torch.zeros(1), result=torch.empty(1), keys=[spec], key_ranges=[(0, 1)],
+                  priority=0, names=("bench.flush",))
+    runtime.register_keys(client, [spec])
+    comm.submit(group, SchedulePolicy())
+    comm.wait(group, "while flushing the comm thread ")
+    runtime.register_keys(client, [])
+    runtime._state.tables.pop(client, None)
 
 
 def share_parameters(model: torch.nn.Module, path: str) -> None:
@@ -203,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="map all parameters from FILE (MAP_SHARED, pre-sized) to save RAM; see share_parameters")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    _prefer_oom_kill()
     atexit.register(_rank_info)  # also runs on server ranks (init() exits them with SystemExit)
     profile = load_profile(args.model, args.device)
     schedules = [s for s in args.schedules.split(",") if s]
