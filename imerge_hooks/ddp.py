@@ -10,7 +10,7 @@ DDP waits for every bucket's future before ``backward()`` returns and before ``s
 this path cannot overlap communication with the next forward pass (``overlap_forward`` is
 refused here); use ``DistributedOptimizer`` or the Lightning strategy for that.
 
-This module must not use ``from __future__ import annotations``: ``register_comm_hook``
+This module must keep annotations evaluated (no postponed-annotations future import): ``register_comm_hook``
 compares the hook's annotations by identity.
 """
 
