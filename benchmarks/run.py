@@ -208,8 +208,6 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
     if timeline_path:
         env["IMERGE_TIMELINE"] = timeline_path
     tag = f"{job.model}-w{W}-s{S}" + ("-timeline" if timeline_path else "")
-    if len(job.schedules) == 1 and not timeline_path:
-        tag += f"-{job.schedules[0]}"
     if args.max_load is not None:
         t_wait = time.perf_counter()
         while (la := loadavg()) and la[0] > args.max_load and time.perf_counter() - t_wait < 900:
@@ -245,27 +243,6 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
             os.unlink(share)
 
 
-_DECODER = json.JSONDecoder()
-
-
-def parse_records(line: str) -> list[tuple[str, dict]]:
-    """``RESULT {json}`` / ``RANKINFO {json}`` records in a line of mpiexec output; robust to
-    ranks' lines glued together by the launcher (two records on one line)."""
-    found = []
-    for kind in ("RESULT", "RANKINFO"):
-        start = 0
-        while (i := line.find(kind + " {", start)) >= 0:
-            try:
-                record, end = _DECODER.raw_decode(line, i + len(kind) + 1)
-            except json.JSONDecodeError:
-                start = i + 1
-                continue
-            if isinstance(record, dict):
-                found.append((kind, record))
-            start = end
-    return found
-
-
 def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float) -> dict:
     W, S = job.workers, args.servers
     hosts = W + S
@@ -293,13 +270,13 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
         for line in proc.stdout:
             out.write(line)
             out.flush()
-            for kind, record in parse_records(line):
-                if kind == "RESULT":
-                    results.append(record)
-                    log(f"      {job.model} W={W} {record['schedule']:<12} {record['iteration_s']:8.3f} s/iter "
-                        f"{record['samples_per_s']:8.2f} samples/s  ({fmt_s(time.perf_counter() - t0)} into the launch)")
-                else:
-                    rankinfo.append(record)
+            if line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT "):])
+                results.append(res)
+                log(f"      {job.model} W={W} {res['schedule']:<12} {res['iteration_s']:8.3f} s/iter "
+                    f"{res['samples_per_s']:8.2f} samples/s  ({fmt_s(time.perf_counter() - t0)} into the launch)")
+            elif line.startswith("RANKINFO "):
+                rankinfo.append(json.loads(line[len("RANKINFO "):]))
         rc = proc.wait()
     wall = time.perf_counter() - t0
     counters1 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
@@ -320,44 +297,6 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
             f"missing {missing}; stderr tail:\n{tail}")
         info["missing"] = missing
     return {"results": results, "info": info}
-
-
-# ---------------------------------------------------------------------------- timelines
-def trace_summary(path: str, track: str = "worker 0") -> dict | None:
-    """Breakdown of the last complete iteration of ``track`` in a Chrome trace written by the
-    engine (IMERGE_TIMELINE) or by the simulator: works on both (categories forward, backward,
-    wait, and comm (engine) or push/pull (simulator)). Times in seconds:
-
-    * ``iteration_s``: start of the previous backward to the start of the last one;
-    * ``forward_s``: previous backward end -> last backward start (the forward, including
-      waits for deferred updates under ``imerge``, or for ``synchronize()`` otherwise);
-    * ``wait_s``: the wait spans inside it; ``backward_s``;
-    * ``comm_tail_s``: from the end of the last backward to the end of the last transfer that
-      started after that backward began (communication left when compute is done);
-    * ``comm_span_mean_s``: mean push-to-result time of those keys (engine) / transfer (sim).
-    """
-    try:
-        events = json.loads(Path(path).read_text())["traceEvents"]
-    except (OSError, ValueError, KeyError):
-        return None
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    mine = [e for e in events if e.get("ph") == "X" and names.get(e["pid"]) == track]
-    span = lambda e: (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)  # noqa: E731
-    back = sorted(span(e) for e in mine if e.get("cat") == "backward")
-    phases: list[list[float]] = []
-    for a, b in back:
-        if phases and a - phases[-1][1] < 1e-3:
-            phases[-1][1] = max(phases[-1][1], b)
-        else:
-            phases.append([a, b])
-    if len(phases) < 2:
-        return None
-    (p0, p1), (b0, b1) = phases[-2], phases[-1]
-    waits = sum(max(0.0, min(b, b0) - max(a, p1)) for a, b in (span(e) for e in mine if e.get("cat") == "wait"))
-    comm = [span(e) for e in mine if e.get("cat") in ("comm", "push", "pull") and span(e)[0] >= b0 - 1e-9]
-    return {"iteration_s": b0 - p0, "forward_s": b0 - p1, "wait_s": waits, "backward_s": b1 - b0,
-            "comm_tail_s": (max(b for _, b in comm) - b1) if comm else None,
-            "comm_spans": len(comm), "comm_span_mean_s": statistics.mean(b - a for a, b in comm) if comm else None}
 
 
 # ---------------------------------------------------------------------------- tables
@@ -532,8 +471,6 @@ def parse_args(argv: list[str] | None):
                     help="give every worker its own parameter memory (default: one shared mapping, saves RAM)")
     ap.add_argument("--max-load", type=float, default=None,
                     help="before each launch wait (up to 15 min) until the 1-min load average is below this")
-    ap.add_argument("--isolate-above-mb", type=float, default=300.0,
-                    help="models with more gradient MB than this run one schedule per launch (RAM)")
     ap.add_argument("--mem-wait", type=float, default=300.0, help="seconds to wait for free RAM before skipping")
     ap.add_argument("--mem-fraction", type=float, default=0.95,
                     help="run a launch only if its estimated peak RAM is below this fraction of MemAvailable "
@@ -668,18 +605,9 @@ def main(argv: list[str] | None = None) -> int:
                 est = 20.0 + 3.0 * (W + S) + (args.warmup + iters) * facts[m]["compute_s"]
                 for s in todo:
                     est += (args.warmup + iters) * sim_t[s] + (args.profile_steps * sim_t["wfbp"] if s in PLANNED else 0)
-                # Big models: one launch per schedule (process isolation; with several schedules in one
-                # process, an 8-worker VGG-16 launch kept ~1 GB per worker of the previous schedule alive
-                # and ran this 24 GB machine out of RAM).
-                isolate = facts[m]["bytes"] > args.isolate_above_mb * 1e6
-                groups = [[s] for s in todo] if isolate else [todo]
-                for part in groups:
-                    share = est if not isolate else est * sum(
-                        (args.warmup + iters) * sim_t[s] + (args.profile_steps * sim_t["wfbp"] if s in PLANNED else 0)
-                        for s in part) / max(1e-9, est - 20.0 - 3.0 * (W + S))
-                    job = Job(m, W, part, share + (20.0 + 3.0 * (W + S) if isolate else 0.0), facts[m]["bytes"])
-                    job.iters = iters
-                    jobs.append(job)
+                job = Job(m, W, todo, est, facts[m]["bytes"])
+                job.iters = iters
+                jobs.append(job)
         total_est = sum(j.estimate_s for j in jobs)
         log(f"{len(jobs)} launches; estimated {fmt_s(total_est)} of measurement (simulator-based estimate; "
             "calibration and a loaded CPU add to it)")
@@ -733,17 +661,6 @@ def main(argv: list[str] | None = None) -> int:
                                    "measured_trace": f"{stem}-measured.json", "simulated_trace": f"{stem}-simulated.json",
                                    "measured": out["results"], "simulated_iteration_s": sres.iteration_s,
                                    "info": out["info"]}
-                summ = {"measured": trace_summary(f"{stem}-measured.json"),
-                        "simulated": trace_summary(f"{stem}-simulated.json")}
-                doc["timeline"]["last_iteration_worker0"] = summ
-                print(f"\nTimeline breakdown, worker 0, last iteration (s):")
-                print(f"  {'':<10}" + "".join(f"{k:>18}" for k in ("iteration_s", "forward_s", "wait_s", "backward_s",
-                                                                   "comm_tail_s", "comm_span_mean_s")))
-                for label, sm in summ.items():
-                    if sm:
-                        print(f"  {label:<10}" + "".join(f"{sm[k]:>18.3f}" if sm[k] is not None else f"{'-':>18}"
-                                                         for k in ("iteration_s", "forward_s", "wait_s", "backward_s",
-                                                                   "comm_tail_s", "comm_span_mean_s")))
                 print(f"\nTimeline {tm} W={tw} S={S} {tsched}: measured "
                       f"{out['results'][0]['iteration_s'] if out['results'] else float('nan'):.3f} s/iter "
                       f"(with tracing), simulated {sres.iteration_s:.3f} s/iter\n  {stem}-measured.json\n"
@@ -797,10 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in measured_runs:
             pb = physical_bound(facts[r["model"]], r["workers"], S, B)
             r.update(bound_s=pb["bound_s"], bound_compute_s=pb["compute_s"], bound_comm_s=pb["comm_s"],
-                     efficiency=pb["bound_s"] / r["iteration_s"],
-                     # what this machine needs: the workers' CPU seconds per iteration spread over all
-                     # cores (servers, the kernel's share of TCP on their side and other load come on top)
-                     cpu_floor_s=r["workers"] * r.get("worker_cpu_s_per_iter", 0.0) / (os.cpu_count() or 1))
+                     efficiency=pb["bound_s"] / r["iteration_s"])
             eff.setdefault(r["model"], {}).setdefault(r["workers"], {})[r["schedule"]] = r["efficiency"]
         for m in args.models:
             rows = {w: {s: v for s, v in d.items()} for w, d in eff.get(m, {}).items()}
@@ -812,10 +726,8 @@ def main(argv: list[str] | None = None) -> int:
                              lambda v, w, c: f"{100 * v:.0f}%"))
             for w in sorted(bounds):
                 b = bounds[w]
-                floors = [r["cpu_floor_s"] for r in measured_runs if r["model"] == m and r["workers"] == w]
                 print(f"     W={w}: bound {b['bound_s']:.3f} s/iter = max(compute {b['compute_s']:.3f}, "
-                      f"comm {b['comm_s']:.3f}) -> {w * facts[m]['batch_size'] / b['bound_s']:.1f} samples/s; "
-                      f"workers' CPU / {os.cpu_count()} cores: {min(floors):.2f}-{max(floors):.2f} s/iter")
+                      f"comm {b['comm_s']:.3f}) -> {w * facts[m]['batch_size'] / b['bound_s']:.1f} samples/s")
         doc["efficiency"] = {m: {str(w): d for w, d in v.items()} for m, v in eff.items()}
 
     # ------------------------------------------------------------------ simulator validation
