@@ -55,6 +55,7 @@ class Config:
     calibrate: bool = True  # measure a PS model at start-up when none is cached
     timeline: str | None = None
     compression: str = "none"  # none | fp16 | bf16
+    polling: str = "auto"  # auto | spin | yield: how idle comm threads and servers wait (see polling.py)
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -67,6 +68,8 @@ class Config:
                 raise ValueError(f"IMerge: {name} must be positive, got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
+        if self.polling not in ("auto", "spin", "yield"):
+            raise ValueError(f"IMerge: polling must be auto, spin or yield, got {self.polling!r}")
         if self.compression not in ("none", "fp16", "bf16"):
             raise ValueError(f"IMerge: compression must be none, fp16 or bf16, got {self.compression!r}")
 

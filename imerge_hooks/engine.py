@@ -20,6 +20,7 @@ from .config import Config
 from .deferral import DeferredStep, supports_deferral
 from .errors import IMergeUsageError
 from .layout import Group, Placement, cut_keys, dtype_name, names_in_range, wire_dtype
+from .memory import Arena
 from .scheduler import SchedulePolicy
 from .transport import SUPPORTED_DTYPES, KeySpec
 
@@ -37,6 +38,7 @@ class GradientEngine:
         self.names = [name for name, _ in named_parameters]
         self.params = [p for _, p in named_parameters]
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._index_by_name = {name: i for i, name in enumerate(self.names)}
         self._check_parameters()
         traits = config.traits
         self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
@@ -155,6 +157,8 @@ class GradientEngine:
         key_ids = iter(runtime.allocate_keys(self._count_keys(plan)))
         groups: list[Group] = []
         views: list[torch.Tensor | None] = [None] * len(self.params)
+        spare: list[torch.Tensor | None] = [None] * len(self.params)  # views into swap groups' result
+        shapes = []  # (dtype, device, numel, wire dtype) per group
         for gi, members in enumerate(plan):
             dtypes = {self.params[i].dtype for i in members}
             devices = {self.params[i].device for i in members}
@@ -162,8 +166,15 @@ class GradientEngine:
                 raise ValueError(f"IMerge: plan group {gi} mixes dtypes/devices {dtypes} {devices}; "
                                  "groups must be homogeneous")
             dtype, device = dtypes.pop(), devices.pop()
-            total = sum(self.params[i].numel() for i in members)
-            flat = torch.zeros(total, dtype=dtype, device=device)
+            shapes.append((dtype, device, sum(self.params[i].numel() for i in members),
+                           wire_dtype(dtype, self.cfg.compression)))
+        # Host buffers of all groups come from two huge-page arenas (gradients, results).
+        gpu_pinned = torch.cuda.is_available()
+        flats = iter(Arena([(n, d) for d, dev, n, _ in shapes if dev.type == "cpu"]).tensors)
+        results = iter(Arena([(n, w) for _, dev, n, w in shapes if dev.type == "cpu" or not gpu_pinned]).tensors)
+        for gi, members in enumerate(plan):
+            dtype, device, total, wire = shapes[gi]
+            flat = next(flats) if device.type == "cpu" else torch.zeros(total, dtype=dtype, device=device)
             spans = []
             offset = 0
             for i in members:
@@ -179,10 +190,14 @@ class GradientEngine:
                 self.group_of[i] = gi
                 offset += p.numel()
             on_host = device.type == "cpu"
-            wire = wire_dtype(dtype, self.cfg.compression)
-            pinned = not on_host and torch.cuda.is_available()
-            result = torch.empty(total, dtype=wire, pin_memory=pinned)
-            staging = None if on_host and wire == dtype else torch.empty(total, dtype=wire, pin_memory=pinned)
+            pinned = not on_host and gpu_pinned
+            swap = on_host and wire == dtype
+            result = torch.zeros(total, dtype=wire, pin_memory=True) if pinned else next(results)
+            staging = None if swap else torch.empty(total, dtype=wire, pin_memory=pinned)
+            if swap:
+                for name, off, n in spans:
+                    i = self._index_by_name[name]
+                    spare[i] = result[off:off + n].view_as(self.params[i])
             ranges = cut_keys(total, wire.itemsize,
                               self.cfg.partition_bytes if self.cfg.traits.partition else None, self.topo.num_servers)
             keys = []
@@ -192,9 +207,10 @@ class GradientEngine:
                                     names_in_range(spans, start, end)))
             groups.append(Group(index=gi, flat=flat, result=result, keys=keys, key_ranges=ranges,
                                 priority=min(members), names=tuple(self.names[i] for i in members),
-                                staging=staging, members=list(members)))
+                                staging=staging, members=list(members), swap=swap))
         self.groups = groups
         self.views = views
+        self._spare_views = spare
         self.group_arrived = [0] * len(groups)
         self.epoch = runtime.register_keys(self.client, [k for g in groups for k in g.keys])
         if self.topo.num_servers > 1:
@@ -276,8 +292,19 @@ class GradientEngine:
             self._submit(group)
 
     def wait_group(self, group: Group) -> None:
+        """Wait for ``group`` and leave its averaged gradients in ``.grad`` (main thread)."""
         if self.comm is not None:
             self.comm.wait(group)
+        self._take_result(group)
+
+    def _take_result(self, group: Group) -> None:
+        """Swap groups: the result buffer becomes the gradient buffer; re-point the views."""
+        if not group.take_result():
+            return
+        for i in group.members:
+            self.views[i], self._spare_views[i] = self._spare_views[i], self.views[i]
+            if self.params[i].grad is not None:
+                self.params[i].grad = self.views[i]
 
     def synchronize(self) -> None:
         """Push what is left, wait for every result, and leave averaged gradients in ``.grad``."""
@@ -391,10 +418,10 @@ class GradientEngine:
             self._end_deferral()
 
     def _end_deferral(self) -> None:
+        # DeferredStep.apply waited for (and released) every group of the recorded round. Groups
+        # that are submitted now belong to the next round (a flush from the next step() runs after
+        # its backward) and must stay submitted, or push_remaining() would push them twice.
         self.deferred = None
-        for group in self.groups:
-            if group.done.is_set():
-                group.submitted = False
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None

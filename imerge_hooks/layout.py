@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .transport import SUPPORTED_DTYPES, KeySpec
+from .transport import SUPPORTED_DTYPES, KeySpec, as_mpi_buffer
 
 
 @dataclass
@@ -15,7 +15,10 @@ class Group:
     """One planned group: a flat buffer that travels as one or more keys.
 
     ``flat`` holds the gradients (parameters' ``.grad`` are views into it); ``result``
-    receives the summed keys from the servers; ``key_ranges`` are element ranges of ``flat``.
+    receives the averaged keys from the servers; ``key_ranges`` are element ranges of ``flat``.
+    With ``swap`` (host memory, no wire conversion) nothing is copied back: the owner swaps
+    ``flat`` and ``result`` once the group is complete (``take_result``), so a round trip
+    costs no extra pass over the gradients.
     """
 
     index: int
@@ -31,6 +34,20 @@ class Group:
     cuda_event: object | None = None  # recorded when the gradients are ready (GPU only)
     members: list[int] = field(default_factory=list)  # parameter indices (engine) or bucket index (DDP)
     callbacks: list = field(default_factory=list)  # one-shot fn(error_or_None), run by the comm thread
+    swap: bool = False  # result becomes flat on completion (see take_result) instead of a copy
+    result_pending: bool = False  # swap groups: submitted, result not taken yet
+
+    _buffers: dict = field(default_factory=dict, repr=False)
+
+    def mpi_buffer(self, tensor: torch.Tensor, start: int, end: int) -> list:
+        """``as_mpi_buffer(tensor[start:end])``, cached: building one costs ~10 us per message."""
+        key = (tensor.data_ptr(), start, end)
+        buf = self._buffers.get(key)
+        if buf is None:
+            if len(self._buffers) > 8 * max(1, len(self.keys)):
+                self._buffers.clear()  # buffers were replaced (DDP rebuilt its buckets)
+            buf = self._buffers[key] = as_mpi_buffer(tensor[start:end])
+        return buf
 
     def send_view(self, start: int, end: int) -> torch.Tensor:
         """The bytes to push for elements [start, end): host memory, contiguous."""
@@ -41,15 +58,18 @@ class Group:
         self.staging[start:end].copy_(self.flat[start:end])
         return self.staging[start:end]
 
-    def unpack(self, start: int, end: int, workers: int) -> None:
-        """Average the summed result into the gradient buffer."""
-        out = self.flat[start:end]
-        res = self.result[start:end]
-        if out.device == res.device and out.dtype == res.dtype:
-            torch.div(res, workers, out=out)
-        else:
-            out.copy_(res)  # widen (compression) or upload (GPU) first, then divide at full precision
-            out.div_(workers)
+    def unpack(self, start: int, end: int) -> None:
+        """Copy the averaged result into the gradient buffer (widening or uploading as needed)."""
+        if not self.swap:
+            self.flat[start:end].copy_(self.result[start:end])
+
+    def take_result(self) -> bool:
+        """Swap groups: make the completed result the gradient buffer. True if it swapped."""
+        if not (self.swap and self.result_pending and self.done.is_set()):
+            return False
+        self.flat, self.result = self.result, self.flat
+        self.result_pending = False
+        return True
 
     @property
     def nbytes(self) -> int:

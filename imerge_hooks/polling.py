@@ -1,20 +1,53 @@
 """Polling with back-off.
 
-MPICH progresses by polling. A rank that spins on a blocking call steals a core from the
-ranks it waits for when processes outnumber cores, so every IMerge wait polls, then yields
-with growing sleeps; each wait also has a deadline so nothing hangs forever.
+MPICH progresses by polling: a large transfer moves only while both ends keep calling into
+MPI. How long to spin before sleeping depends on whether the ranks have a core each:
+
+* ``spin``: every rank on this host has a core of its own (the normal GPU-cluster case).
+  Waits spin for up to ``SPIN_S_DEDICATED`` before sleeping, so transfers run at full speed
+  and a result is noticed within microseconds.
+* ``yield``: ranks outnumber cores (tests, emulated clusters). A spinning rank would steal
+  the core the rank it waits for needs, so waits spin briefly, then sleep in growing steps.
+
+``auto`` (the default) picks ``spin`` when the ranks on this host fit its usable cores.
+Every wait also has a deadline elsewhere, so nothing hangs forever.
 """
 
 from __future__ import annotations
 
+import os
 import time
+
+SPIN_S_DEDICATED = 0.02
+SPIN_S_SHARED = 200e-6
+MAX_SLEEP_S = 250e-6
+
+_spin_s = SPIN_S_SHARED
+mode = "yield"
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def configure(polling: str, ranks_on_node: int) -> str:
+    """Set the process-wide wait mode ("auto", "spin" or "yield"); returns the mode chosen."""
+    global _spin_s, mode
+    if polling == "auto":
+        polling = "spin" if ranks_on_node <= usable_cores() else "yield"
+    mode = polling
+    _spin_s = SPIN_S_DEDICATED if polling == "spin" else SPIN_S_SHARED
+    return mode
 
 
 class Backoff:
     """Call ``idle()`` after each poll that found nothing, ``reset()`` after one that did."""
 
-    def __init__(self, spin_s: float = 200e-6, max_sleep_s: float = 250e-6) -> None:
-        self.spin_s = spin_s
+    def __init__(self, spin_s: float | None = None, max_sleep_s: float = MAX_SLEEP_S) -> None:
+        self.spin_s = _spin_s if spin_s is None else spin_s
         self.max_sleep_s = max_sleep_s
         self.reset()
 

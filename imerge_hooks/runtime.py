@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Any
 
+from . import polling
 from ._mpi import MPI, ensure_initialized
 from .config import Config
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError
@@ -76,6 +77,9 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     topo = build_topology(int(cfg.num_servers))
     _state.topology, _state.config = topo, cfg
     _setup_logging()
+    chosen = polling.configure(cfg.polling, topo.ranks_on_node)
+    log.debug("IMerge rank %d: polling mode %s (%d ranks on this host, %d usable cores)",
+              topo.world_rank, chosen, topo.ranks_on_node, polling.usable_cores())
     if cfg.timeline:
         from .timeline import Timeline
 

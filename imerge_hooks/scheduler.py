@@ -23,7 +23,7 @@ from ._mpi import MPI
 from .errors import IMergeError, IMergeTimeoutError
 from .layout import Group
 from .polling import Backoff
-from .transport import TAG_ERROR, as_mpi_buffer, key_tag
+from .transport import TAG_ERROR, key_tag
 
 log = logging.getLogger("imerge")
 
@@ -82,6 +82,7 @@ class CommThread:
         self.raise_if_failed()
         group.done.clear()
         group.submitted = True
+        group.result_pending = group.swap
         self._queue.put((group, policy))
 
     def wait(self, group: Group, what: str = "") -> None:
@@ -122,13 +123,11 @@ class CommThread:
             while True:
                 # 1. take new groups
                 block = not ready and not inflight
-                while True:
+                while block or not self._queue.empty():
                     try:
                         item = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
                     except queue.Empty:
-                        if block:
-                            continue
-                        break
+                        continue
                     block = False
                     if item is None:
                         self._stopped.set()
@@ -206,8 +205,11 @@ class CommThread:
         spec = task.group.keys[task.slot]
         start, end = task.group.key_ranges[task.slot]
         dest = self.server_world_rank(spec.server)
-        recv = self.comm.Irecv(as_mpi_buffer(task.group.result[start:end]), source=dest, tag=key_tag(spec.key))
-        send = self.comm.Isend(as_mpi_buffer(task.group.send_view(start, end)), dest=dest, tag=key_tag(spec.key))
+        group = task.group
+        recv = self.comm.Irecv(group.mpi_buffer(group.result, start, end), source=dest, tag=key_tag(spec.key))
+        sent = group.flat if group.staging is None else group.staging
+        group.send_view(start, end)  # stages (GPU / compression) when needed
+        send = self.comm.Isend(group.mpi_buffer(sent, start, end), dest=dest, tag=key_tag(spec.key))
         now = time.monotonic()
         if self.on_event is not None:
             self.on_event("push", task.group, task.slot, now, 0.0)
@@ -216,7 +218,7 @@ class CommThread:
     def _finish(self, op: _InFlight) -> None:
         group = op.task.group
         start, end = group.key_ranges[op.task.slot]
-        group.unpack(start, end, self.num_workers)
+        group.unpack(start, end)
         if self.on_event is not None:
             self.on_event("done", group, op.task.slot, op.started, time.monotonic())
         left = self._remaining[id(group)] - 1

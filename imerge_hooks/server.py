@@ -1,4 +1,4 @@
-"""The parameter server: a streaming sum per key.
+"""The parameter server: a streaming average per key.
 
 Run implicitly by ``imerge_hooks.init()`` on the last ``num_servers`` ranks, or as its own
 program in an MPMD launch::
@@ -18,6 +18,7 @@ import torch
 
 from ._mpi import MPI
 from .config import Config
+from .memory import host_buffer
 from .polling import Backoff
 from .topology import Topology
 from .transport import (
@@ -38,13 +39,21 @@ log = logging.getLogger("imerge")
 class _KeyState:
     spec: KeySpec
     wire: torch.Tensor  # receive scratch, wire dtype
-    acc: torch.Tensor  # running sum (float32 for 16-bit wire types)
+    acc: torch.Tensor  # running sum of pushes / W (float32 for 16-bit wire types)
     out: torch.Tensor  # result in wire dtype (may alias acc)
     count: int = 0
     arrived: set[int] = field(default_factory=set)
     first_push_at: float = 0.0
     warned: bool = False
     sends: list = field(default_factory=list)
+    wire_buf: list = field(default_factory=list)  # MPI views of wire / acc / out, built once
+    acc_buf: list = field(default_factory=list)
+    out_buf: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.wire_buf = as_mpi_buffer(self.wire)
+        self.acc_buf = as_mpi_buffer(self.acc) if self.acc.dtype == self.wire.dtype else []
+        self.out_buf = as_mpi_buffer(self.out)
 
 
 class Server:
@@ -171,9 +180,9 @@ class Server:
         dtype = DTYPE_BY_NAME[spec.dtype]
         numel = spec.nbytes // torch.empty((), dtype=dtype).element_size()
         acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        wire = torch.empty(numel, dtype=dtype)
-        acc = torch.empty(numel, dtype=acc_dtype)
-        out = acc if acc_dtype == dtype else torch.empty(numel, dtype=dtype)
+        wire = host_buffer(numel, dtype)
+        acc = host_buffer(numel, acc_dtype)
+        out = acc if acc_dtype == dtype else host_buffer(numel, dtype)
         return _KeyState(spec, wire, acc, out)
 
     # ------------------------------------------------------------------ data
@@ -195,18 +204,23 @@ class Server:
             for worker in range(self.workers):
                 self.comm.send({"op": "error", "message": problem}, dest=worker, tag=TAG_ERROR)
             return
+        # The server sends the average: each push is scaled by 1/W as it is added, so workers
+        # use the result as it arrives (no pass over the gradients on the worker).
+        scale = 1.0 / self.workers
         if state.count == 0:
             self._wait_key_sends(state)
             state.first_push_at = time.monotonic()
             state.warned = False
             if state.acc.dtype == state.wire.dtype:
-                msg.Recv(as_mpi_buffer(state.acc))
+                msg.Recv(state.acc_buf)
+                if self.workers > 1:
+                    state.acc.mul_(scale)
             else:
-                msg.Recv(as_mpi_buffer(state.wire))
-                state.acc.copy_(state.wire)
+                msg.Recv(state.wire_buf)
+                torch.mul(state.wire, scale, out=state.acc)
         else:
-            msg.Recv(as_mpi_buffer(state.wire))
-            state.acc.add_(state.wire)
+            msg.Recv(state.wire_buf)
+            state.acc.add_(state.wire, alpha=scale)
         state.count += 1
         state.arrived.add(source)
         self.pushes += 1
@@ -215,13 +229,13 @@ class Server:
             self._complete(state)
 
     def _complete(self, state: _KeyState) -> None:
-        """Every worker that still trains has pushed: send the sum (rescaled if some joined)."""
+        """Every worker that still trains has pushed: send the average (rescaled if some joined)."""
         if self.timeline is not None:
             self.timeline.span(f"key {state.spec.key} ({', '.join(state.spec.names[:2])})", "server",
                                state.first_push_at, time.monotonic())
         if state.count < self.workers:
-            # Joined workers count as zero contributions; workers divide by W, so the result
-            # becomes the average over the workers that did contribute.
+            # Joined workers count as zero contributions; the sum was scaled by 1/W, so this
+            # makes it the average over the workers that did contribute.
             state.acc.mul_(self.workers / state.count)
         if state.out is not state.acc:
             state.out.copy_(state.acc)
@@ -246,9 +260,8 @@ class Server:
             self.joined = set()
 
     def _send_result(self, state: _KeyState, dests: list[int]) -> None:
-        buf = as_mpi_buffer(state.out)
         tag = KEY_TAG_BASE + state.spec.key
-        state.sends = [self.comm.Isend(buf, dest=w, tag=tag) for w in dests]
+        state.sends = [self.comm.Isend(state.out_buf, dest=w, tag=tag) for w in dests]
 
     def _send_due(self) -> None:
         now = time.monotonic()

@@ -25,6 +25,7 @@ class Topology:
     worker_comm: MPI.Comm
     local_rank: int
     local_size: int
+    ranks_on_node: int = 1  # workers and servers sharing this host (decides how to poll)
 
     @property
     def num_workers(self) -> int:
@@ -80,7 +81,10 @@ def build_topology(num_servers: int) -> Topology:
         node = worker_comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
         local_rank, local_size = node.Get_rank(), node.Get_size()
         node.Free()
-    return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size)
+    everyone_here = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    ranks_on_node = everyone_here.Get_size()
+    everyone_here.Free()
+    return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size, ranks_on_node)
 
 
 def server_for_key(key: int, num_servers: int) -> int:

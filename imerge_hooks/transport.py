@@ -7,10 +7,10 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
 * ``TAG_REPLY`` server -> worker, pickled dict: ``ack`` / ``error`` answers to ``register``.
 * ``TAG_ERROR`` server -> worker, pickled dict: an asynchronous error (bad push, stall).
 * ``TAG_TIMELINE`` server -> worker 0 at shutdown, pickled timeline events (``IMERGE_TIMELINE``).
-* ``KEY_TAG_BASE + key``: raw bytes of one key, worker -> server (push) and the summed
-  result server -> worker (pull). The worker posts the ``Irecv`` for the result before the
-  ``Isend`` of the push. One outstanding push per (worker, key); MPI's non-overtaking rule
-  keeps successive iterations of a key apart.
+* ``KEY_TAG_BASE + key``: raw bytes of one key, worker -> server (push) and the averaged
+  result (sum / W, scaled by the server as it adds) server -> worker (pull). The worker
+  posts the ``Irecv`` for the result before the ``Isend`` of the push. One outstanding push
+  per (worker, key); MPI's non-overtaking rule keeps successive iterations of a key apart.
 """
 
 from __future__ import annotations
