@@ -58,6 +58,7 @@ import glob
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -153,13 +154,25 @@ def startup_for(workers: int, psmodels: dict, fallback: float) -> tuple[float, s
 
 
 def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidth_Bps: float, startup_s: float,
-                 time_scale: float, cost_model=None, timeline: bool = False):
+                 time_scale: float, cost_model=None, timeline: bool = False, fabric_Bps: float | None = None):
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
 
     spec = ModelSpec.from_profile_json(PROFILES / f"{model}-cpu.json")
     cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth_Bps * GOODPUT,
-                          startup_s=startup_s, time_scale=time_scale)
+                          startup_s=startup_s, time_scale=time_scale, fabric_Bps=fabric_Bps)
     return simulate(spec, cluster, schedule, cost_model=cost_model, timeline=timeline)
+
+
+def probe_fabric(workers: int, servers: int, args) -> dict:
+    """Run ``netlab/duplex_probe.py`` on the lab: what all links together move, both ways at once."""
+    probe = Path(__file__).resolve().parent / "netlab" / "duplex_probe.py"
+    cmd = nl.spmd_cmd([sys.executable, str(probe), "--servers", str(servers)], workers + servers,
+                      prefix=args.prefix, extra_env={"OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"duplex_probe failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
 
 
 # ---------------------------------------------------------------------------- measured jobs
@@ -200,7 +213,8 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
     W, S = job.workers, args.servers
     hosts = W + S
     argv = [sys.executable, str(WORKER), "--model", job.model, "--schedules", ",".join(job.schedules),
-            "--time-scale", repr(args.time_scale), "--iters", str(job.iters or args.iters), "--warmup", str(args.warmup),
+            "--time-scale", repr(args.time_scale), "--iters", str(job.iters or args.iters),
+            "--warmup", str(args.warmup),
             "--profile-steps", str(args.profile_steps)] + (["--baseline"] if baseline else [])
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IMERGE_NUM_SERVERS": str(S),
            "IMERGE_COST_MODEL_PATH": str(cache_dir / "psmodel-{workers}w-{servers}s-{hosts}.json"),
@@ -270,13 +284,13 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
         for line in proc.stdout:
             out.write(line)
             out.flush()
-            if line.startswith("RESULT "):
-                res = json.loads(line[len("RESULT "):])
-                results.append(res)
-                log(f"      {job.model} W={W} {res['schedule']:<12} {res['iteration_s']:8.3f} s/iter "
-                    f"{res['samples_per_s']:8.2f} samples/s  ({fmt_s(time.perf_counter() - t0)} into the launch)")
-            elif line.startswith("RANKINFO "):
-                rankinfo.append(json.loads(line[len("RANKINFO "):]))
+            for kind, doc in tagged_json(line):
+                if kind == "RESULT":
+                    results.append(doc)
+                    log(f"      {job.model} W={W} {doc['schedule']:<12} {doc['iteration_s']:8.3f} s/iter "
+                        f"{doc['samples_per_s']:8.2f} samples/s  ({fmt_s(time.perf_counter() - t0)} into the launch)")
+                else:
+                    rankinfo.append(doc)
         rc = proc.wait()
     wall = time.perf_counter() - t0
     counters1 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
@@ -300,6 +314,26 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
 
 
 # ---------------------------------------------------------------------------- tables
+_TAGGED = re.compile(r"(RESULT|RANKINFO) (?=\{)")
+
+
+def tagged_json(line: str) -> list[tuple[str, dict]]:
+    """``RESULT {...}`` / ``RANKINFO {...}`` records in one line of merged rank output.
+
+    Ranks share the launcher's stdout, so two records can end up on one line; each is decoded
+    on its own and anything that is not a complete JSON object is skipped.
+    """
+    found = []
+    for m in _TAGGED.finditer(line):
+        try:
+            doc, _ = json.JSONDecoder().raw_decode(line, m.end())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict):
+            found.append((m.group(1), doc))
+    return found
+
+
 def table_text(title: str, rows: dict, columns: list[str], fmt) -> str:
     """rows: {W: {column: value}} -> aligned text table (missing cells '-')."""
     cells = {w: [fmt(rows[w][c], w, c) if rows[w].get(c) is not None else "-" for c in columns] for w in rows}
@@ -348,7 +382,7 @@ def print_tables(kind: str, tp: dict, baseline: dict, models: list[str], fusion:
         base = baseline.get(m)
         if base:
             srows = {w: dict(rows[w], linear=base * w) for w in rows}
-            sp = lambda v, w, c: f"{v:.1f} ({v / base:.2f}x)"  # noqa: E731
+            sp = lambda v, w, c, base=base: f"{v:.1f} ({v / base:.2f}x)"  # noqa: E731
             print(table_text(f"[{kind}] Table 3 - speed-up over one worker ({base:.2f} samples/s), {m}: "
                              "samples/s (speed-up)", srows, list(schedules) + ["linear"], sp))
 
@@ -556,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config = {"models": args.models, "workers": args.workers, "servers": S, "bandwidth": args.bandwidth,
               "bandwidth_Bps": B, "goodput": GOODPUT, "time_scale": ts, "time_scale_why": args.time_scale_why,
-              "iters": args.iters, "min_timed_s": args.min_timed_s, "max_iters": args.max_iters, "warmup": args.warmup, "profile_steps": args.profile_steps,
+              "iters": args.iters, "min_timed_s": args.min_timed_s, "max_iters": args.max_iters,
+              "warmup": args.warmup, "profile_steps": args.profile_steps,
               "fusion_schedules": args.fusion, "schedules": args.table2, "sim_workers": args.sim_workers,
               "validate_workers": args.validate_workers, "prefix": args.prefix,
               "argv": sys.argv[1:] if argv is None else argv}
@@ -566,9 +601,11 @@ def main(argv: list[str] | None = None) -> int:
     measured_runs: list[dict] = doc.get("measured", {}).get("runs", []) if keep else []
     launches: list[dict] = doc.get("measured", {}).get("launches", []) if keep else []
     baseline_runs: dict = doc.get("measured", {}).get("baseline", {}) if keep else {}
+    fabric_kept = doc.get("fabric", {}) if keep else {}
     doc = {"description": "IMerge benchmark (benchmarks/run.py): cells are samples/s of the whole cluster",
            "config": config, "machine": machine_info(),
-           "measured": {"runs": measured_runs, "launches": launches, "baseline": baseline_runs}}
+           "measured": {"runs": measured_runs, "launches": launches, "baseline": baseline_runs},
+           "fabric": fabric_kept}
     doc["machine"]["omp_num_threads"] = "1 (ranks)"
 
     def save() -> None:
@@ -604,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                 # launch (W+S Python processes importing torch on few cores) + the one-worker baseline
                 est = 20.0 + 3.0 * (W + S) + (args.warmup + iters) * facts[m]["compute_s"]
                 for s in todo:
-                    est += (args.warmup + iters) * sim_t[s] + (args.profile_steps * sim_t["wfbp"] if s in PLANNED else 0)
+                    est += ((args.warmup + iters) * sim_t[s]
+                            + (args.profile_steps * sim_t["wfbp"] if s in PLANNED else 0))
                 job = Job(m, W, todo, est, facts[m]["bytes"])
                 job.iters = iters
                 jobs.append(job)
@@ -642,10 +680,19 @@ def main(argv: list[str] | None = None) -> int:
                         measured_runs.append(r)
                 launches.append(out["info"])
                 save()
+            fabric = doc.setdefault("fabric", {})
+            for W in [w for w in args.validate_workers if w in args.workers and str(w) not in fabric]:
+                nl.up(hosts=W + S, bandwidth=args.bandwidth, prefix=args.prefix)
+                fabric[str(W)] = probe_fabric(W, S, args)
+                log(f"[fabric] W={W} S={S}: every link both ways at once moves "
+                    f"{fabric[str(W)]['aggregate_Bps'] / 1e6:.0f} MB/s in all (links alone would allow "
+                    f"{2 * 2 * S * B * GOODPUT / 1e6:.0f} MB/s)")
+                save()
             if args.timeline:
                 spec = args.timeline
                 if spec == "auto":
-                    spec = f"{args.models[0]}:{max(args.workers)}:{'imerge' if 'imerge' in args.all_schedules else args.all_schedules[0]}"
+                    first = "imerge" if "imerge" in args.all_schedules else args.all_schedules[0]
+                    spec = f"{args.models[0]}:{max(args.workers)}:{first}"
                 tm, tw, tsched = spec.split(":")
                 tw = int(tw)
                 nl.up(hosts=tw + S, bandwidth=args.bandwidth, prefix=args.prefix)
@@ -658,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
                 sres = simulate_one(tm, tw, S, tsched, B, st, ts, cost_model=psm, timeline=True)
                 sres.to_chrome_trace(f"{stem}-simulated.json")
                 doc["timeline"] = {"model": tm, "workers": tw, "servers": S, "schedule": tsched,
-                                   "measured_trace": f"{stem}-measured.json", "simulated_trace": f"{stem}-simulated.json",
+                                   "measured_trace": f"{stem}-measured.json",
+                                   "simulated_trace": f"{stem}-simulated.json",
                                    "measured": out["results"], "simulated_iteration_s": sres.iteration_s,
                                    "info": out["info"]}
                 print(f"\nTimeline {tm} W={tw} S={S} {tsched}: measured "
@@ -729,6 +777,26 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"     W={w}: bound {b['bound_s']:.3f} s/iter = max(compute {b['compute_s']:.3f}, "
                       f"comm {b['comm_s']:.3f}) -> {w * facts[m]['batch_size'] / b['bound_s']:.1f} samples/s")
         doc["efficiency"] = {m: {str(w): d for w, d in v.items()} for m, v in eff.items()}
+        fabric = doc.get("fabric", {})
+        eff_emu: dict = {}
+        for r in measured_runs:
+            fab = fabric.get(str(r["workers"]))
+            if fab:
+                moved = 2 * r["workers"] * facts[r["model"]]["bytes"]  # every worker pushes and pulls it all
+                r["emulator_bound_s"] = max(r["bound_s"], moved / fab["aggregate_Bps"])
+                r["efficiency_emulator"] = r["emulator_bound_s"] / r["iteration_s"]
+                eff_emu.setdefault(r["model"], {}).setdefault(r["workers"], {})[r["schedule"]] = \
+                    r["efficiency_emulator"]
+        if eff_emu:
+            print("\n---- The same against the emulator's own bound max(bound above, 2 * W * bytes / fabric rate):"
+                  " the fabric rate is what netlab/duplex_probe.py moves with every link busy both ways, which the"
+                  " 2 shared cores cap below the links' rate ----")
+            for m in args.models:
+                if eff_emu.get(m):
+                    print()
+                    print(table_text(f"{m}: efficiency against the emulator's bound", eff_emu[m], args.all_schedules,
+                                     lambda v, w, c: f"{100 * v:.0f}%"))
+            doc["efficiency_emulator"] = {m: {str(w): d for w, d in v.items()} for m, v in eff_emu.items()}
 
     # ------------------------------------------------------------------ simulator validation
     if measured_runs:
@@ -742,25 +810,36 @@ def main(argv: list[str] | None = None) -> int:
             st, src = ((args.sim_startup_us * 1e-6, "--sim-startup-us") if args.sim_startup_us is not None
                        else startup_for(W, psmodels, FALLBACK_STARTUP_S))
             p = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm)
-            val.append({"model": r["model"], "workers": W, "schedule": r["schedule"], "measured_s": r["iteration_s"],
-                        "predicted_s": p.iteration_s, "error": (p.iteration_s - r["iteration_s"]) / r["iteration_s"],
-                        "startup_s": st, "startup_source": src, "measured_groups": r.get("groups"),
-                        "predicted_groups": len(p.groups)})
+            row = {"model": r["model"], "workers": W, "schedule": r["schedule"], "measured_s": r["iteration_s"],
+                   "predicted_s": p.iteration_s, "error": (p.iteration_s - r["iteration_s"]) / r["iteration_s"],
+                   "startup_s": st, "startup_source": src, "measured_groups": r.get("groups"),
+                   "predicted_groups": len(p.groups)}
+            fab = doc.get("fabric", {}).get(str(W))
+            if fab:
+                pf = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm,
+                                  fabric_Bps=fab["aggregate_Bps"])
+                row.update(fabric_Bps=fab["aggregate_Bps"], predicted_fabric_s=pf.iteration_s,
+                           error_fabric=(pf.iteration_s - r["iteration_s"]) / r["iteration_s"])
+            val.append(row)
         doc["validation"] = val
-        if val:
-            print("\n==== Simulator validation: predicted vs measured iteration time (error = pred/meas - 1; "
-                  "target |error| <= 15%) ====")
+        variants = [("predicted_s", "error", "links only (the model of a real cluster)")]
+        if any("error_fabric" in v for v in val):
+            variants.append(("predicted_fabric_s", "error_fabric",
+                             "links + the emulator's shared CPUs (fabric cap from netlab/duplex_probe.py)"))
+        for key, err, what in variants if val else []:
+            print(f"\n==== Simulator validation, {what}: predicted vs measured iteration time "
+                  "(error = pred/meas - 1; target |error| <= 15%) ====")
             for m in args.models:
                 rows: dict = {}
                 for v in val:
-                    if v["model"] == m:
+                    if v["model"] == m and err in v:
                         rows.setdefault(v["workers"], {})[v["schedule"]] = v
                 if rows:
                     print()
                     print(table_text(f"{m}: predicted / measured s (error)", rows, args.all_schedules,
-                                     lambda v, w, c: f"{v['predicted_s']:.2f}/{v['measured_s']:.2f} "
-                                                     f"({100 * v['error']:+.0f}%)"))
-            errs = [abs(v["error"]) for v in val]
+                                     lambda v, w, c, key=key, err=err: f"{v[key]:.2f}/{v['measured_s']:.2f} "
+                                                                       f"({100 * v[err]:+.0f}%)"))
+            errs = [abs(v[err]) for v in val if err in v]
             within = sum(e <= 0.15 for e in errs)
             print(f"\n  {within}/{len(errs)} within 15%; median |error| {100 * statistics.median(errs):.0f}%, "
                   f"max {100 * max(errs):.0f}%")
@@ -781,7 +860,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in sim_runs:
             if r["workers"] == sim_tgt_w:
                 pb = physical_bound(facts[r["model"]], sim_tgt_w, S, B)
-                eff_sim.setdefault(r["model"], {}).setdefault(sim_tgt_w, {})[r["schedule"]] = pb["bound_s"] / r["iteration_s"]
+                eff_sim.setdefault(r["model"], {}).setdefault(sim_tgt_w, {})[r["schedule"]] = (
+                    pb["bound_s"] / r["iteration_s"])
         doc["targets_simulated"] = check_targets(sim_tp, eff_sim, args.models, sim_tgt_w)
 
     if not args.no_plots:

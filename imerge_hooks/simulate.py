@@ -43,7 +43,9 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   recomputed whenever a flow starts or ends (like TCP through netlab's shaped ports). Between
   one sender and one receiver messages go in order, one at a time (one MPI connection per
   pair: MPI's non-overtaking rule), so at most one flow per (sender, receiver) pair.
-  No propagation latency (fold it into ``startup_s``).
+  No propagation latency (fold it into ``startup_s``). With ``ClusterSpec.fabric_Bps`` every
+  flow also crosses one shared link of that rate: an emulated cluster whose hosts share a few
+  CPU cores that run all the TCP stacks (netlab on a small VM) moves less than its links allow.
 * **Server.** Each push, once delivered, costs ``startup_s`` of the server's single thread
   (the Python loop's per-message probe/receive/sum work), FIFO over all workers' pushes, so a
   W-way incast pays W startups in a row. When a key has all W pushes the server sends the sum
@@ -176,7 +178,10 @@ class ClusterSpec:
     server's serial work per push message (see the module doc); a PSModel's startup ``a``
     measured with W workers is about ``W * startup_s``, so build the spec from a measured
     model with :meth:`from_psmodel`. ``time_scale``: factor on the model's compute times
-    (replay a profile as a faster or slower device).
+    (replay a profile as a faster or slower device). ``fabric_Bps``: optional cap on the sum of
+    all flows' rates, a link every flow crosses. None for a real cluster; set it to model an
+    emulated one whose hosts share a few CPU cores that run every rank's TCP stack
+    (``benchmarks/netlab/duplex_probe.py`` measures it).
     """
 
     workers: int
@@ -184,6 +189,7 @@ class ClusterSpec:
     bandwidth_Bps: float
     startup_s: float
     time_scale: float = 1.0
+    fabric_Bps: float | None = None
 
     def __post_init__(self) -> None:
         for what in ("workers", "servers"):
@@ -198,6 +204,10 @@ class ClusterSpec:
             if not ok:
                 raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be a finite number "
                                  f"{'> 0' if positive else '>= 0'}, got {v!r}")
+        v = self.fabric_Bps
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
+                              or v <= 0):
+            raise ValueError(f"IMerge simulate: ClusterSpec.fabric_Bps must be None or a finite number > 0, got {v!r}")
 
     @classmethod
     def from_psmodel(cls, model: PSModel, time_scale: float = 1.0) -> ClusterSpec:
@@ -351,6 +361,10 @@ class _Worker:
     op_start: float = 0.0
 
 
+_FABRIC = -1  # the shared fabric link's id (host links are >= 0)
+_FABRIC_LINKS = (_FABRIC,)
+
+
 class _Sim:
     """The event loop. Hosts' links: worker r egress r, ingress W+r; server s ingress 2W+s, egress 2W+S+s."""
 
@@ -359,8 +373,9 @@ class _Sim:
                  group_keys: Sequence[Sequence[int]], key_bytes: Sequence[int], key_server: Sequence[int],
                  workers: int, servers: int, bandwidth: float, startup: float, priority: bool, stagger: bool,
                  credit: int | None, push_after_backward: bool, overlap: bool, iterations: int,
-                 record: bool = True) -> None:
+                 record: bool = True, fabric: float | None = None) -> None:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
+        self.fabric = None if fabric is None else float(fabric)
         self.fwd, self.bwd, self.layer_names = list(fwd), list(bwd), list(layer_names)
         self.layer_tensors = [list(t) for t in layer_tensors]
         self.groups = [list(g) for g in groups]
@@ -628,7 +643,8 @@ class _Sim:
             self._push_event(self.now + max(dt, 0.0), _EV_NET, self.net_version)
 
     def _max_min(self) -> None:
-        """Max-min fair rates by progressive filling (every link has capacity B).
+        """Max-min fair rates by progressive filling (every link has capacity B; the optional
+        fabric link, crossed by every flow, has capacity ``fabric``).
 
         Each round finds the smallest fair share (remaining capacity / unfrozen flows) over
         the links and freezes every flow of every link at that share; symmetric workers make
@@ -647,8 +663,11 @@ class _Sim:
                     members[link] = [f]
                 else:
                     lst.append(f)
-        count = {link: len(lst) for link, lst in members.items()}
         cap = dict.fromkeys(members, self.B)
+        if self.fabric is not None:
+            members[_FABRIC] = list(flows.values())
+            cap[_FABRIC] = self.fabric
+        count = {link: len(lst) for link, lst in members.items()}
         live = list(members)
         while live:
             share = min(cap[link] / count[link] for link in live)
@@ -661,7 +680,7 @@ class _Sim:
                         continue
                     f.stamp = stamp
                     f.rate = share
-                    for other in f.links:
+                    for other in (f.links + _FABRIC_LINKS if self.fabric is not None else f.links):
                         left = cap[other] - share
                         cap[other] = left if left > 0.0 else 0.0
                         count[other] -= 1
@@ -707,7 +726,8 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 group_keys=group_keys, key_bytes=[k.nbytes for k in keys], key_server=[k.server for k in keys],
                 workers=cluster.workers, servers=cluster.servers, bandwidth=cluster.bandwidth_Bps,
                 startup=cluster.startup_s, priority=priority, stagger=stagger, credit=credit,
-                push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record)
+                push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
+                fabric=cluster.fabric_Bps)
 
 
 # ---------------------------------------------------------------------------------- public API

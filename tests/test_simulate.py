@@ -43,6 +43,22 @@ def test_one_layer_one_worker_is_compute_plus_startup_plus_push_and_pull(schedul
     assert res.throughput == approx(1 * 8 / expected)
 
 
+# ------------------------------------------------------------------------------ (1b) shared fabric
+def test_fabric_cap_is_a_link_that_every_flow_crosses():
+    startup = 0.25e-3
+    # One flow at a time, cap B/2: every transfer takes twice as long.
+    capped = simulate(one_layer(), ClusterSpec(1, 1, B, startup, fabric_Bps=B / 2), "wfbp")
+    assert capped.iteration_s == approx(3e-3 + startup + 2 * 2 * X)
+    # Two workers: their pushes share the server ingress (B/2 each); a cap of B/2 on the sum leaves
+    # B/4 each, so each phase takes 4X instead of 2X. A cap above what the links allow changes nothing.
+    two = simulate(one_layer(), ClusterSpec(2, 1, B, startup, fabric_Bps=B / 2), "wfbp")
+    assert two.iteration_s == approx(3e-3 + 4 * X + 2 * startup + 4 * X)
+    loose = simulate(one_layer(), ClusterSpec(2, 1, B, startup, fabric_Bps=10 * B), "wfbp")
+    assert loose.iteration_s == approx(simulate(one_layer(), ClusterSpec(2, 1, B, startup), "wfbp").iteration_s)
+    with pytest.raises(ValueError, match="fabric_Bps"):
+        ClusterSpec(1, 1, B, startup, fabric_Bps=0.0)
+
+
 # ------------------------------------------------------------------------------ (2) incast
 def test_two_workers_share_the_server_ingress_and_egress():
     startup = 0.25e-3
