@@ -87,17 +87,12 @@ def _retire(opt) -> None:
     from imerge_hooks import runtime
 
     engine = opt._imerge_engine
-    engine.remove()
     st = runtime._state
-    for lst, fn in ((st.flush_callbacks, engine.flush_deferred), (st.join_callbacks, engine.synchronize)):
-        try:
-            lst.remove(fn)
-        except ValueError:
-            pass
     if engine.replanner is not None:
         engine.replanner.profiler.close()
     runtime.register_keys(engine.client, [])
     st.tables.pop(engine.client, None)
+    engine.close()  # hooks, callbacks and buffers (one arena each for gradients and results)
     _flush_comm_thread()
 
 

@@ -49,6 +49,10 @@ class Group:
             buf = self._buffers[key] = as_mpi_buffer(tensor[start:end])
         return buf
 
+    def release_buffers(self) -> None:
+        """Drop the cached MPI views (they keep the group's buffers alive)."""
+        self._buffers.clear()
+
     def send_view(self, start: int, end: int) -> torch.Tensor:
         """The bytes to push for elements [start, end): host memory, contiguous."""
         if self.staging is None:

@@ -197,6 +197,12 @@ def add_flush_callback(fn) -> None:
     _state.flush_callbacks.append(fn)
 
 
+def remove_callbacks(*fns) -> None:
+    """Unregister flush/join callbacks of a retired engine (missing ones are ignored)."""
+    for lst in (_state.flush_callbacks, _state.join_callbacks):
+        lst[:] = [f for f in lst if not any(f == fn for fn in fns)]
+
+
 def flush_all() -> None:
     """Apply every pending (deferred) update; anything that reads parameters calls this."""
     for fn in list(_state.flush_callbacks):
