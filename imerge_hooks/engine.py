@@ -38,7 +38,6 @@ class GradientEngine:
         self.names = [name for name, _ in named_parameters]
         self.params = [p for _, p in named_parameters]
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._index_by_name = {name: i for i, name in enumerate(self.names)}
         self._check_parameters()
         traits = config.traits
         self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
@@ -201,8 +200,7 @@ class GradientEngine:
             result = torch.zeros(total, dtype=wire, pin_memory=True) if pinned else next(results)
             staging = None if swap else torch.empty(total, dtype=wire, pin_memory=pinned)
             if swap:
-                for name, off, n in spans:
-                    i = self._index_by_name[name]
+                for i, (_, off, n) in zip(members, spans):
                     spare[i] = result[off:off + n].view_as(self.params[i])
             ranges = cut_keys(total, wire.itemsize,
                               self.cfg.partition_bytes if self.cfg.traits.partition else None, self.topo.num_servers)

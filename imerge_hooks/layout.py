@@ -53,14 +53,17 @@ class Group:
         """Drop the cached MPI views (they keep the group's buffers alive)."""
         self._buffers.clear()
 
-    def send_view(self, start: int, end: int) -> torch.Tensor:
-        """The bytes to push for elements [start, end): host memory, contiguous."""
+    def send_buffer(self, start: int, end: int) -> list:
+        """MPI buffer of the bytes to push for elements [start, end): host memory, wire dtype.
+
+        GPU and compressed groups are staged into ``staging`` first.
+        """
         if self.staging is None:
-            return self.flat[start:end]
+            return self.mpi_buffer(self.flat, start, end)
         if self.cuda_event is not None and self.flat.device.type == "cuda":
             self.cuda_event.synchronize()
         self.staging[start:end].copy_(self.flat[start:end])
-        return self.staging[start:end]
+        return self.mpi_buffer(self.staging, start, end)
 
     def unpack(self, start: int, end: int) -> None:
         """Copy the averaged result into the gradient buffer (widening or uploading as needed)."""

@@ -25,7 +25,7 @@ def host_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
     The mapping is rounded up to whole huge pages (at most 2x for a 1 MiB buffer).
     """
-    nbytes = numel * _itemsize(dtype)
+    nbytes = numel * dtype.itemsize
     if nbytes < HUGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(numel, dtype=dtype)
     return _huge_bytes(nbytes)[:nbytes].view(dtype)
@@ -38,14 +38,10 @@ class Arena:
         offsets, total = [], 0
         for numel, dtype in sizes:
             offsets.append(total)
-            total += -(-numel * _itemsize(dtype) // ALIGN) * ALIGN
+            total += -(-numel * dtype.itemsize // ALIGN) * ALIGN
         self._bytes = host_buffer(max(total, 1), torch.uint8)
-        self.tensors = [self._bytes[off:off + numel * _itemsize(dtype)].view(dtype)
+        self.tensors = [self._bytes[off:off + numel * dtype.itemsize].view(dtype)
                         for off, (numel, dtype) in zip(offsets, sizes)]
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _huge_bytes(nbytes: int) -> torch.Tensor:

@@ -207,9 +207,7 @@ class CommThread:
         dest = self.server_world_rank(spec.server)
         group = task.group
         recv = self.comm.Irecv(group.mpi_buffer(group.result, start, end), source=dest, tag=key_tag(spec.key))
-        sent = group.flat if group.staging is None else group.staging
-        group.send_view(start, end)  # stages (GPU / compression) when needed
-        send = self.comm.Isend(group.mpi_buffer(sent, start, end), dest=dest, tag=key_tag(spec.key))
+        send = self.comm.Isend(group.send_buffer(start, end), dest=dest, tag=key_tag(spec.key))
         now = time.monotonic()
         if self.on_event is not None:
             self.on_event("push", task.group, task.slot, now, 0.0)
