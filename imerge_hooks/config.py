@@ -55,6 +55,7 @@ class Config:
     calibrate: bool = True  # measure a PS model at start-up when none is cached
     timeline: str | None = None
     compression: str = "none"  # none | fp16 | bf16
+    plan_search: bool = True  # optimal planner: score candidate plans with the simulator (plansearch.py)
     polling: str = "auto"  # auto | spin | yield: how idle comm threads and servers wait (see polling.py)
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ from . import runtime
 from .config import Config
 from .errors import IMergeConfigError
 from .layout import Group, Placement, cut_keys, dtype_name, names_in_range
-from .planner import plan
+from .plansearch import choose_plan
 from .scheduler import SchedulePolicy
 from .transport import SUPPORTED_DTYPES, KeySpec
 
@@ -150,9 +150,10 @@ class IMergeHookState:
         model = cost_model_for(self.cfg.traits.planner) if self.topo.num_servers else None
         decision = None
         if self.topo.worker_rank == 0:
-            decision = plan(sizes, ready, model, self.cfg.traits.planner,
-                            fusion_threshold_bytes=self.cfg.fusion_threshold_bytes,
-                            dtypes=[str(self.groups[b].flat.dtype) for b in order]).groups
+            names = [f"bucket{b}" for b in order]
+            decision = choose_plan(sizes, ready, names, model, self.cfg, self.topo.num_workers,
+                                   self.topo.num_servers,
+                                   dtypes=[str(self.groups[b].flat.dtype) for b in order]).groups
         decision = self.topo.worker_comm.bcast(decision, root=0)
         placement = Placement(self.topo.num_servers)
         merged, keys = [], []

@@ -122,24 +122,32 @@ SPREAD_MIN_BYTES = 64 * 1024
 
 def cut_keys(numel: int, element_size: int, partition_bytes: int | None,
              servers: int = 1) -> list[tuple[int, int]]:
-    """Element ranges of at most ``partition_bytes`` each.
+    """Element ranges of equal size (the last may be shorter): at most ``partition_bytes`` each
+    (``None``: no limit) and, for groups of at least ``servers * SPREAD_MIN_BYTES``, at least
+    one key per server.
 
-    Without partitions (``None``) a group is still spread evenly over the servers, in up to
-    ``servers`` keys of at least ``SPREAD_MIN_BYTES``: the cost model is measured that way,
-    and one server per group would leave the others idle while it carries the whole group.
+    Why spread every group over the servers: the cost model is measured that way, and a group
+    that travels as one key keeps one server busy while the others idle. Equal pieces (6 MiB
+    with 4 MiB partitions: two keys of 3 MiB, not 4 + 2) keep the servers' loads even.
     """
     if numel == 0:
         return []
-    if partition_bytes is None:
-        pieces = max(1, min(servers, numel * element_size // SPREAD_MIN_BYTES))
-        per = -(-numel // pieces)
-        return [(start, min(numel, start + per)) for start in range(0, numel, per)]
-    per = max(1, partition_bytes // element_size)
+    nbytes = numel * element_size
+    pieces = max(1, min(servers, nbytes // SPREAD_MIN_BYTES))
+    if partition_bytes is not None:
+        per_limit = max(1, partition_bytes // element_size)
+        pieces = max(pieces, -(-numel // per_limit))
+    per = -(-numel // pieces)
     return [(start, min(numel, start + per)) for start in range(0, numel, per)]
 
 
 class Placement:
-    """Round-robin placement of successive keys over servers, with per-server byte load."""
+    """Each key goes to the server with the fewest bytes so far (ties: round-robin order).
+
+    Why not plain round-robin by count: models alternate big weights and tiny biases or
+    BatchNorm parameters, and counting keys would put every weight on one server and every
+    bias on the other. Every worker places the same keys in the same order, so all agree.
+    """
 
     def __init__(self, num_servers: int) -> None:
         self.num_servers = max(1, num_servers)
@@ -147,8 +155,10 @@ class Placement:
         self.load = [0] * self.num_servers
 
     def place(self, nbytes: int) -> int:
-        server = self.next
-        self.next = (self.next + 1) % self.num_servers
+        least = min(self.load)
+        server = next(s % self.num_servers for s in range(self.next, self.next + self.num_servers)
+                      if self.load[s % self.num_servers] == least)
+        self.next = (server + 1) % self.num_servers
         self.load[server] += nbytes
         return server
 

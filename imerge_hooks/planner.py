@@ -34,6 +34,7 @@ class Plan:
     method: str
     group_start: list[float]
     group_end: list[float]
+    note: str = ""  # how the plan was chosen, when more than one method was tried
 
     def describe(self, sizes: Sequence[float]) -> str:
         """Human-readable table: group, tensors, bytes, start, end (ms)."""
@@ -44,6 +45,8 @@ class Plan:
             span = f"{members[0]}" if len(members) == 1 else f"{members[0]}-{members[-1]}"
             nbytes = sum(sizes[i] for i in members)
             lines.append(f"{g:>5} {span:>11} {nbytes:>12.0f} {s * 1e3:>10.3f} {e * 1e3:>10.3f}")
+        if self.note:
+            lines.append(self.note)
         return "\n".join(lines)
 
 

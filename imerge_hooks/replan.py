@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from .costmodel import CostModel, LinearModel
-from .planner import Plan, plan
+from .planner import Plan
+from .plansearch import choose_plan
 from .profiler import Profile, Profiler
 
 log = logging.getLogger("imerge")
@@ -52,8 +53,9 @@ class Replanner:
             sizes = [self.profile.sizes[i] for i in order]
             ready = [self.profile.ready_times[i] for i in order]
             dtypes = [self.profile.dtypes[i] for i in order]
-            result = plan(sizes, ready, self.model, self.method,
-                          fusion_threshold_bytes=engine.cfg.fusion_threshold_bytes, dtypes=dtypes)
+            names = [self.profile.names[i] for i in order]
+            result = choose_plan(sizes, ready, names, self.model, engine.cfg, topo.num_workers, topo.num_servers,
+                                 dtypes=dtypes, forward_times=self.profile.forward_times)
             decision = (order, result)
         order, result = topo.worker_comm.bcast(decision, root=0) if topo.num_workers > 1 else decision
         self.plan = result

@@ -22,11 +22,14 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   one group per tensor). ``mgwfbp`` and ``optimal`` need a cost model: ``cost_model`` or, when
   None, :func:`calibrate_model` (what ``python -m imerge_hooks.calibrate`` would measure on
   the simulated cluster); ``mgwfbp`` gets the alpha-beta line fitted to a PSModel's table,
-  as ``replan`` does.
+  as ``replan`` does. ``optimal`` (adaptive-ps, imerge) also searches, as the engine does
+  (:mod:`imerge_hooks.plansearch`): each candidate plan is simulated on this model and
+  cluster and the fastest is kept (``plan_search=False``: the DP's plan alone).
 * **Keys and placement.** ``priority``/``imerge`` cut each group into keys of at most
   ``partition_bytes`` (by bytes; the runtime cuts by elements, the same for 4-byte floats and
-  a power-of-two partition size); other schedules send a group as one key. Keys are placed
-  round-robin over the servers in plan order, the counter running on across groups.
+  a power-of-two partition size); every group of at least S x 64 KiB is also spread over
+  the S servers in equal keys. Keys are placed in plan order, each on the server with the
+  fewest bytes so far (``layout.Placement``).
 * **Worker send queue** (``CommThread``). ``default`` submits every group, in plan order,
   after the whole backward; other schedules submit a group as soon as all its tensors are
   ready. A submitted group's keys enter a ready queue: FIFO, or lowest ``priority`` first
@@ -76,7 +79,7 @@ from typing import Any
 
 from .config import SCHEDULE_TRAITS, SCHEDULES
 from .costmodel import CostModel, LinearModel, PSModel
-from .planner import Plan, plan
+from .planner import Plan, plan, simulate_fifo
 
 _MiB = 1 << 20
 # Sizes that calibrate_model "measures" (the grid of imerge_hooks.calibrate: 1 KiB .. 64 MiB).
@@ -705,16 +708,17 @@ def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int
 
 def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_bytes: int | None,
             servers: int) -> tuple[list[list[int]], list[KeyInfo]]:
-    """Keys of every group (cut at ``partition_bytes``), placed round-robin as ``layout.Placement``."""
+    """Keys of every group (``layout.cut_keys``), placed by ``layout.Placement`` as the engine does."""
+    from .layout import Placement
+
+    placement = Placement(servers)
     group_keys: list[list[int]] = []
     keys: list[KeyInfo] = []
-    nxt = 0
     for g, members in enumerate(groups):
         ids = []
         for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes, servers):
             ids.append(len(keys))
-            keys.append(KeyInfo(g, nbytes, nxt))
-            nxt = (nxt + 1) % servers
+            keys.append(KeyInfo(g, nbytes, placement.place(nbytes)))
         group_keys.append(ids)
     return group_keys, keys
 
@@ -761,6 +765,34 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
     return PSModel.fit(cluster.workers, cluster.servers, list(grid), times)
 
 
+def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: list[int], sizes: list[int],
+                   ready_at: list[float], cost_model: CostModel, **options: Any) -> Plan:
+    """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
+    from .plansearch import Candidate, candidate_plans, describe_choice, pick
+
+    sizes_r = [sizes[i] for i in order]
+    ready_r = [ready_at[i] for i in order]
+    scored = []
+    for label, cand in candidate_plans(sizes_r, ready_r, cost_model):
+        result = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
+                          **options)
+        scored.append(Candidate(label, cand, result.iteration_s))
+    best = pick(scored)
+    starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes_r], ready_r, cost_model)
+    return Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
+                group_end=ends, note=describe_choice(best, scored))
+
+
+def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """An explicit plan as lists of ints, or ValueError if it is not a partition of 0..n-1."""
+    out = [[int(i) for i in g] for g in groups]
+    flat = sorted(i for g in out for i in g)
+    if any(not g for g in out) or flat != list(range(n)):
+        raise ValueError(f"IMerge simulate: groups must cover each of the model's {n} tensors exactly once, "
+                         f"in non-empty groups; got {len(flat)} entries over {len(out)} groups")
+    return out
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"IMerge simulate: {name} must be a positive int, got {value!r}")
@@ -770,7 +802,8 @@ def _positive_int(name: str, value: Any) -> int:
 def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = 4 * _MiB,
              credit_bytes: int = 64 * _MiB, fusion_threshold_bytes: int = 25 * _MiB,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
-             timeline: bool = True) -> SimResult:
+             timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
+             plan_search: bool = True) -> SimResult:
     """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
@@ -780,7 +813,12 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     mgwfbp/adaptive-ps/imerge uses (anything with ``.time(nbytes)``); None: the
     :func:`calibrate_model` of ``cluster``. ``overlap_forward``: as ``Config.overlap_forward``
     (None: as the schedule says). ``timeline=False`` skips recording events (faster for
-    sweeps; ``SimResult.timeline`` is then empty). See the module doc for the model.
+    sweeps; ``SimResult.timeline`` is then empty). ``groups``: an explicit plan instead of
+    the schedule's planner (lists of tensor indices in registration order, in send order,
+    every tensor exactly once); the schedule's other traits still apply. ``plan_search``: as
+    ``Config.plan_search``, the ``optimal`` planner (adaptive-ps, imerge) simulates its
+    candidate plans (:mod:`imerge_hooks.plansearch`) and keeps the fastest, as the engine
+    does; False: the DP's plan alone. See the module doc for the model.
     """
     if schedule not in SCHEDULE_TRAITS:
         raise ValueError(f"IMerge simulate: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -811,7 +849,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     order = list(reversed(range(len(sizes))))  # ready order (ties inside a layer: later-registered first)
     plan_result: Plan | None = None
     used_model: Any = None
-    if traits.planner == "none" or not sizes:
+    if groups is not None:
+        groups = _check_groups(groups, len(sizes))
+    elif traits.planner == "none" or not sizes:
         groups = [[i] for i in order]
     else:
         if traits.planner == "threshold":
@@ -823,6 +863,10 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             planner_model = LinearModel.fit(used_model.sizes, used_model.times)  # as replan.cost_model_for
         plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], planner_model, traits.planner,
                            fusion_threshold_bytes=fusion_threshold_bytes)
+        if traits.planner == "optimal" and plan_search and len(sizes) > 1:
+            plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, planner_model,
+                                         partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                                         overlap_forward=overlap_forward, iterations=iterations)
         groups = [[order[j] for j in g] for g in plan_result.groups]
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
     sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],

@@ -1,0 +1,198 @@
+"""Pick a fusion plan by simulating candidates, not by the one-channel DP alone.
+
+Why: the ``optimal`` DP (:mod:`imerge_hooks.planner`) is exact for ONE FIFO channel that
+pays the measured startup ``a(W)`` per message. The runtime is not one channel: keys go
+to S servers and many are in flight at once (credit window), so startups overlap and a
+plan fused for the FIFO model can be slower than sending tensors as they are ready
+(ResNet-50 at W=8: 161 tensors fused into 8 groups lost to unfused wfbp by 10-20%).
+
+So the planner proposes several plans and :func:`imerge_hooks.simulate.simulate`, which
+models partitions, placement, credit, priority and overlap with the next forward, scores
+each one with the schedule's own traits; the fastest wins. Candidates: the DP on the
+measured model, the DP with the startup term scaled down (what pipelining hides), small
+buckets that merge only small neighbouring gradients (BatchNorm weights and biases), and no
+fusion at all. Ties (within ``TIE_TOLERANCE``) go to the earlier candidate, i.e. to
+more fusion, which costs the servers fewer messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import Config
+from .costmodel import CostModel, LinearModel, PSModel
+from .planner import Plan, plan, simulate_fifo
+
+log = logging.getLogger("imerge")
+
+# Startup factors of the DP candidates: 1 is the published DP on the measured model.
+STARTUP_FACTORS = (1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 64)
+# Bucket sizes of the "merge only small gradients" candidates (bytes).
+SMALL_BUCKETS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by more than this
+
+
+class StartupScaled:
+    """``T(m)`` with its startup scaled by ``factor``: ``max(T(m) - (1-factor)*T(0), T(m)*factor)``."""
+
+    def __init__(self, model: CostModel, factor: float) -> None:
+        self.model = model
+        self.factor = float(factor)
+        self.startup = float(model.time(0.0))
+
+    def time(self, nbytes: float) -> float:
+        return float(self.time_array(np.asarray([nbytes]))[0])
+
+    def time_array(self, nbytes: np.ndarray) -> np.ndarray:
+        vec = getattr(self.model, "time_array", None)
+        base = (np.asarray(vec(nbytes), dtype=float) if vec is not None
+                else np.fromiter((self.model.time(float(m)) for m in np.ravel(nbytes)), dtype=float))
+        return np.maximum(base - (1.0 - self.factor) * self.startup, base * self.factor)
+
+
+@dataclass
+class Candidate:
+    """One scored plan: its label, groups (ready-order positions) and simulated iteration time."""
+
+    label: str
+    groups: list[list[int]]
+    iteration_s: float
+
+
+def module_of(name: str) -> str:
+    """The module that owns parameter ``name`` (``layer1.0.conv1.weight`` -> ``layer1.0.conv1``)."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def model_spec_from_profile(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str],
+                            forward_times: Mapping[str, float] | None = None):
+    """A simulator ModelSpec with one layer per tensor, from tensors given in READY order.
+
+    Layer ``l`` (forward order) is tensor ``n-1-l``; its backward time is the gap between
+    its ready time and the previous tensor's, so the simulator reproduces the profiled
+    ready times. A module's measured forward time goes to its front-most tensor.
+    """
+    from .simulate import LayerSpec, ModelSpec
+
+    n = len(sizes)
+    forward_times = dict(forward_times or {})
+    layers = []
+    seen_modules: set[str] = set()
+    for layer in range(n):
+        k = n - 1 - layer
+        gap = float(ready[k]) - (float(ready[k - 1]) if k > 0 else 0.0)
+        module = module_of(names[k])
+        fwd = 0.0
+        if module not in seen_modules:
+            seen_modules.add(module)
+            fwd = float(forward_times.get(module, 0.0))
+        layers.append(LayerSpec(name=names[k], param_bytes=[int(sizes[k])],
+                                forward_s=max(fwd, 0.0) if math.isfinite(fwd) else 0.0,
+                                backward_s=max(gap, 0.0) if math.isfinite(gap) else 0.0))
+    return ModelSpec(layers=layers, batch_size=1, name="profiled")
+
+
+def cluster_for(model: CostModel, workers: int, servers: int):
+    """The simulated cluster a cost model describes, or None when it describes none."""
+    from .simulate import ClusterSpec
+
+    if isinstance(model, PSModel) and model.bandwidth > 0:
+        bandwidth = 2.0 * model.bandwidth * max(1.0, servers / workers)
+        return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth,
+                           startup_s=model.a / workers)
+    if isinstance(model, LinearModel) and model.beta > 0:
+        return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=2.0 / model.beta,
+                           startup_s=model.alpha / workers)
+    return None
+
+
+def _dedupe(labelled: list[tuple[str, list[list[int]]]]) -> list[tuple[str, list[list[int]]]]:
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    out = []
+    for label, groups in labelled:
+        key = tuple(tuple(g) for g in groups)
+        if key not in seen:
+            seen.add(key)
+            out.append((label, groups))
+    return out
+
+
+def candidate_plans(sizes: Sequence[float], ready: Sequence[float], cost_model: CostModel,
+                    dtypes: Sequence[str] | None = None) -> list[tuple[str, list[list[int]]]]:
+    """Distinct candidate plans (groups of ready-order positions), the published DP first."""
+    labelled: list[tuple[str, list[list[int]]]] = []
+    for factor in STARTUP_FACTORS:
+        model = cost_model if factor == 1.0 else StartupScaled(cost_model, factor)
+        label = "DP, measured startup" if factor == 1.0 else f"DP, startup x{factor:g}"
+        labelled.append((label, plan(sizes, ready, model, "optimal", dtypes=dtypes).groups))
+    for bucket in SMALL_BUCKETS:
+        small = plan(sizes, ready, cost_model, "threshold", fusion_threshold_bytes=bucket, dtypes=dtypes)
+        labelled.append((f"buckets of {bucket >> 10} KiB", small.groups))
+    labelled.append(("unfused", [[i] for i in range(len(sizes))]))
+    return _dedupe(labelled)
+
+
+def pick(scored: Sequence[Candidate]) -> Candidate:
+    """The fastest candidate; a later one must beat an earlier one by ``TIE_TOLERANCE``."""
+    best = scored[0]
+    for cand in scored[1:]:
+        if cand.iteration_s < best.iteration_s * (1.0 - TIE_TOLERANCE):
+            best = cand
+    return best
+
+
+def describe_choice(best: Candidate, scored: Sequence[Candidate]) -> str:
+    return (f"chosen by simulation: {best.label}, {len(best.groups)} groups, "
+            f"{best.iteration_s * 1e3:.2f} ms/iteration; candidates: "
+            + "; ".join(f"{c.label} ({len(c.groups)} groups) {c.iteration_s * 1e3:.2f} ms" for c in scored))
+
+
+def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
+                cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
+                forward_times: Mapping[str, float] | None = None) -> tuple[Plan, list[Candidate]]:
+    """The fastest of the candidate plans under the simulator, and every candidate's score.
+
+    Tensors are given in ready order (``sizes`` bytes, ``ready`` seconds, ``names``);
+    ``cfg`` supplies the schedule's traits, partition and credit sizes and overlap. The
+    returned Plan has the FIFO-model start/end times of the chosen groups (as every plan)
+    and ``method`` ``optimal``; its ``note`` says which candidate won and why.
+    """
+    from .simulate import simulate
+
+    cluster = cluster_for(cost_model, workers, servers)
+    if cluster is None or len(sizes) < 2:
+        return plan(sizes, ready, cost_model, "optimal", dtypes=dtypes), []
+    spec = model_spec_from_profile(sizes, ready, names, forward_times)
+    n = len(sizes)
+    scored: list[Candidate] = []
+    for label, groups in candidate_plans(sizes, ready, cost_model, dtypes):
+        # The spec's tensor t (registration order) is ready-order position n-1-t.
+        spec_groups = [[n - 1 - i for i in g] for g in groups]
+        result = simulate(spec, cluster, cfg.schedule, partition_bytes=cfg.partition_bytes,
+                          credit_bytes=cfg.credit_bytes, iterations=3, overlap_forward=cfg.overlap,
+                          timeline=False, groups=spec_groups)
+        scored.append(Candidate(label, groups, result.iteration_s))
+    best = pick(scored)
+    starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes], [float(t) for t in ready], cost_model)
+    chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
+                  group_end=ends, note=describe_choice(best, scored))
+    log.info("IMerge: plan %s", chosen.note)
+    return chosen, scored
+
+
+def choose_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
+                cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
+                forward_times: Mapping[str, float] | None = None) -> Plan:
+    """The plan the engine installs: simulation-scored for the ``optimal`` planner when
+    ``cfg.plan_search`` is on, otherwise the schedule's planner method as is."""
+    method = cfg.traits.planner
+    if method == "optimal" and cfg.plan_search and servers > 0:
+        return search_plan(sizes, ready, names, cost_model, cfg, workers, servers,
+                           dtypes=dtypes, forward_times=forward_times)[0]
+    return plan(sizes, ready, cost_model, method, fusion_threshold_bytes=cfg.fusion_threshold_bytes,
+                dtypes=dtypes)

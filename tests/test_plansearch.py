@@ -1,0 +1,135 @@
+"""Plan search: candidates are scored by the simulator and the fastest one is installed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from imerge_hooks.config import Config
+from imerge_hooks.costmodel import LinearModel, PSModel
+from imerge_hooks.planner import plan
+from imerge_hooks.plansearch import StartupScaled, choose_plan, cluster_for, model_spec_from_profile, search_plan
+from imerge_hooks.simulate import simulate
+
+KiB, MiB = 1 << 10, 1 << 20
+GRID = [float(KiB * 4**k) for k in range(9)]
+
+
+def ps_model(workers: int, servers: int, startup: float, bandwidth: float = 1e8) -> PSModel:
+    """A PS table that follows a + W*m/(S*B) exactly."""
+    return PSModel.fit(workers, servers, GRID, [startup + workers * m / (servers * bandwidth) for m in GRID])
+
+
+def ready_order_model(n: int, size: int, gap: float):
+    sizes = [size] * n
+    ready = [k * gap for k in range(n)]
+    names = [f"layer{n - 1 - k}.weight" for k in range(n)]  # ready order: last layer first
+    return sizes, ready, names
+
+
+def test_startup_scaled_keeps_bandwidth_term():
+    lin = LinearModel(alpha=1e-3, beta=1e-8)
+    half = StartupScaled(lin, 0.5)
+    assert half.time(0) == pytest.approx(0.5e-3)
+    assert half.time(1e6) == pytest.approx(0.5e-3 + 1e-2)
+    none = StartupScaled(lin, 0.0)
+    assert none.time(1e6) == pytest.approx(1e-2)
+
+
+def test_model_spec_reproduces_profiled_ready_times():
+    sizes = [100, 200, 300, 400]
+    ready = [0.0, 0.010, 0.010, 0.030]  # ready order; two tensors at once
+    names = ["fc.bias", "fc.weight", "conv.bias", "conv.weight"]
+    spec = model_spec_from_profile(sizes, ready, names, {"fc": 0.002, "conv": 0.005})
+    # Forward order is the reverse of ready order.
+    assert [layer.name for layer in spec.layers] == names[::-1]
+    assert [layer.param_bytes for layer in spec.layers] == [[400], [300], [200], [100]]
+    # Suffix sums of backward times give back the ready times.
+    bwd = [layer.backward_s for layer in spec.layers]
+    suffix = [sum(bwd[i:]) for i in range(len(bwd))]
+    assert suffix[::-1] == pytest.approx(ready)
+    # Each module's forward time is counted once, on its front-most tensor.
+    assert [layer.forward_s for layer in spec.layers] == pytest.approx([0.005, 0.0, 0.002, 0.0])
+
+
+def test_cluster_for_matches_the_model():
+    model = ps_model(4, 2, startup=4e-3, bandwidth=1e8)
+    cluster = cluster_for(model, 4, 2)
+    assert cluster.workers == 4 and cluster.servers == 2
+    assert cluster.startup_s == pytest.approx(model.a / 4)
+    assert cluster_for(object(), 4, 2) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schedule", ["imerge", "adaptive-ps"])
+def test_search_keeps_the_fastest_candidate(schedule):
+    """The installed plan is the simulator's fastest, never slower than the DP alone."""
+    sizes, ready, names = ready_order_model(24, 512 * KiB, 5e-3)
+    model = ps_model(4, 2, startup=8e-3)
+    cfg = Config(schedule=schedule)
+    chosen, scored = search_plan(sizes, ready, names, model, cfg, 4, 2)
+    assert len(scored) >= 2
+    assert sorted(i for g in chosen.groups for i in g) == list(range(len(sizes)))
+    best = min(c.iteration_s for c in scored)
+    chosen_score = next(c.iteration_s for c in scored if c.groups == chosen.groups)
+    assert chosen_score <= best * 1.0051
+    assert chosen_score <= scored[0].iteration_s  # the DP on the measured model is candidate 0
+    assert "chosen by simulation" in chosen.note and chosen.method == "optimal"
+    # The score is what simulate() says for those groups (spec tensor t = ready position n-1-t).
+    spec = model_spec_from_profile(sizes, ready, names)
+    n = len(sizes)
+    again = simulate(spec, cluster_for(model, 4, 2), schedule, iterations=3, timeline=False,
+                     groups=[[n - 1 - i for i in g] for g in chosen.groups])
+    assert again.iteration_s == pytest.approx(chosen_score)
+
+
+def test_search_prefers_less_fusion_when_startups_pipeline():
+    """Many tensors, long backward, moderate startup: the FIFO DP fuses, the simulated
+    pipeline (two servers, many keys in flight) is faster with (almost) no fusion."""
+    sizes, ready, names = ready_order_model(40, 2 * MiB, 20e-3)
+    model = ps_model(4, 2, startup=30e-3)
+    dp = plan(sizes, ready, model, "optimal")
+    chosen, scored = search_plan(sizes, ready, names, model, Config(schedule="imerge"), 4, 2)
+    assert len(chosen.groups) > len(dp.groups)
+    dp_score = scored[0].iteration_s
+    chosen_score = next(c.iteration_s for c in scored if c.groups == chosen.groups)
+    assert chosen_score < dp_score * 0.995
+
+
+def test_search_fuses_when_startup_dominates():
+    """Tiny tensors, all ready at once, huge startup: one message is best and is kept."""
+    sizes, ready, names = ready_order_model(16, 4 * KiB, 0.0)
+    model = ps_model(4, 1, startup=50e-3)
+    chosen, _ = search_plan(sizes, ready, names, model, Config(schedule="imerge"), 4, 1)
+    assert len(chosen.groups) == 1
+
+
+def test_choose_plan_respects_plan_search_switch_and_method():
+    sizes, ready, names = ready_order_model(12, 1 * MiB, 2e-3)
+    model = ps_model(2, 1, startup=5e-3)
+    off = choose_plan(sizes, ready, names, model, Config(schedule="imerge", plan_search=False), 2, 1)
+    assert off.groups == plan(sizes, ready, model, "optimal").groups and off.note == ""
+    mg = choose_plan(sizes, ready, names, LinearModel.fit(model.sizes, model.times), Config(schedule="mgwfbp"), 2, 1)
+    assert mg.method == "mgwfbp"
+    on = choose_plan(sizes, ready, names, model, Config(schedule="imerge"), 2, 1)
+    assert on.note.startswith("chosen by simulation")
+    assert math.isfinite(on.predicted_end)
+
+
+def test_search_respects_dtypes():
+    sizes, ready, names = ready_order_model(8, 64 * KiB, 1e-3)
+    dtypes = ["float32"] * 4 + ["float16"] * 4
+    chosen, scored = search_plan(sizes, ready, names, ps_model(2, 1, startup=20e-3), Config(schedule="imerge"),
+                                 2, 1, dtypes=dtypes)
+    for cand in scored:
+        for g in cand.groups:
+            assert len({dtypes[i] for i in g}) == 1, cand.label
+
+
+def test_simulate_rejects_a_bad_explicit_plan():
+    spec = model_spec_from_profile([10, 20, 30], [0.0, 1e-3, 2e-3], ["a.w", "b.w", "c.w"])
+    cluster = cluster_for(ps_model(2, 1, startup=1e-3), 2, 1)
+    with pytest.raises(ValueError, match="exactly once"):
+        simulate(spec, cluster, "imerge", groups=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="exactly once"):
+        simulate(spec, cluster, "imerge", groups=[[0, 1]])
