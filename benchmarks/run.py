@@ -219,6 +219,7 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IMERGE_NUM_SERVERS": str(S),
            "IMERGE_COST_MODEL_PATH": str(cache_dir / "psmodel-{workers}w-{servers}s-{hosts}.json"),
            "IMERGE_TIMEOUT_S": str(int(args.imerge_timeout)), "PYTHONPATH": str(REPO)}
+    env.update(args.rank_env)
     if timeline_path:
         env["IMERGE_TIMELINE"] = timeline_path
     tag = f"{job.model}-w{W}-s{S}" + ("-timeline" if timeline_path else "")
@@ -501,6 +502,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--prefix", default=os.environ.get("NETLAB_PREFIX", "imlab"), help="netlab prefix")
     ap.add_argument("--job-timeout", type=float, default=None, help="seconds per launch (default from estimate)")
     ap.add_argument("--imerge-timeout", type=float, default=600.0, help="IMERGE_TIMEOUT_S of the ranks")
+    ap.add_argument("--rank-env", action="append", default=[], metavar="IMERGE_X=VALUE",
+                    help="extra IMERGE_* setting for every rank (repeatable), e.g. IMERGE_PARTITION_BYTES=1048576")
     ap.add_argument("--no-share-params", dest="share_params", action="store_false",
                     help="give every worker its own parameter memory (default: one shared mapping, saves RAM)")
     ap.add_argument("--max-load", type=float, default=None,
@@ -526,6 +529,13 @@ def parse_args(argv: list[str] | None):
             if flag not in given:
                 setattr(args, attr, value)
     args.name = args.name or "bench"
+    rank_env = {}
+    for item in args.rank_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("IMERGE_"):
+            ap.error(f"--rank-env wants IMERGE_NAME=VALUE, got {item!r}")
+        rank_env[key] = value
+    args.rank_env = rank_env
     args.models = parse_list(args.models)
     for m in args.models:
         if not (PROFILES / f"{m}-cpu.json").exists():
@@ -593,11 +603,11 @@ def main(argv: list[str] | None = None) -> int:
               "iters": args.iters, "min_timed_s": args.min_timed_s, "max_iters": args.max_iters,
               "warmup": args.warmup, "profile_steps": args.profile_steps,
               "fusion_schedules": args.fusion, "schedules": args.table2, "sim_workers": args.sim_workers,
-              "validate_workers": args.validate_workers, "prefix": args.prefix,
+              "validate_workers": args.validate_workers, "prefix": args.prefix, "rank_env": args.rank_env,
               "argv": sys.argv[1:] if argv is None else argv}
     same = doc.get("config", {})
     keep = args.resume and all(same.get(k) == config[k] for k in ("servers", "bandwidth", "time_scale", "iters",
-                                                                   "warmup", "profile_steps"))
+                                                                   "warmup", "profile_steps", "rank_env"))
     measured_runs: list[dict] = doc.get("measured", {}).get("runs", []) if keep else []
     launches: list[dict] = doc.get("measured", {}).get("launches", []) if keep else []
     baseline_runs: dict = doc.get("measured", {}).get("baseline", {}) if keep else {}

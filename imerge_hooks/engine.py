@@ -66,6 +66,7 @@ class GradientEngine:
         # First guess of the ready order: reverse registration order (as DDP assumes).
         self.trainable = [bool(p.requires_grad) for p in self.params]  # frozen ones sit out of the layout
         initial = self._one_per_tensor()
+        self.partition_bytes = config.partition_bytes  # the plan search may change it
         self.set_layout(initial)
         self.replanner = None
         if config.traits.planner != "none":
@@ -140,12 +141,18 @@ class GradientEngine:
             self.wait_group(self.groups[g])
             self.groups[g].submitted = False
 
-    def set_layout(self, plan: list[list[int]]) -> None:
+    def set_layout(self, plan: list[list[int]], partition_bytes: int | None = None) -> None:
         """Rebuild groups for ``plan`` (lists of parameter indices, in send order).
 
-        Must be called on every worker at the same iteration boundary (it registers a new
-        plan epoch with the servers, a collective step).
+        ``partition_bytes``: the key size limit of partitioned schedules from now on (the plan
+        search may choose one); None keeps the current one. Must be called on every worker at
+        the same iteration boundary (it registers a new plan epoch with the servers, a
+        collective step).
         """
+        if partition_bytes is not None:
+            if partition_bytes <= 0:
+                raise ValueError(f"IMerge: partition_bytes must be positive, got {partition_bytes}")
+            self.partition_bytes = int(partition_bytes)
         if self.groups and any(g.submitted and not g.done.is_set() for g in self.groups):
             raise IMergeUsageError("IMerge internal: layout change while groups are in flight")
         covered = sorted(i for group in plan for i in group)
@@ -202,8 +209,7 @@ class GradientEngine:
             if swap:
                 for i, (_, off, n) in zip(members, spans):
                     spare[i] = result[off:off + n].view_as(self.params[i])
-            ranges = cut_keys(total, wire.itemsize,
-                              self.cfg.partition_bytes if self.cfg.traits.partition else None, self.topo.num_servers)
+            ranges = cut_keys(total, wire.itemsize, self._partition_limit(), self.topo.num_servers)
             keys = []
             for start, end in ranges:
                 nbytes = (end - start) * wire.itemsize
@@ -222,14 +228,15 @@ class GradientEngine:
                      self.topo.worker_rank, self.epoch, len(groups), sum(len(g.keys) for g in groups),
                      placement.balance())
 
+    def _partition_limit(self) -> int | None:
+        return self.partition_bytes if self.cfg.traits.partition else None
+
     def _count_keys(self, plan: list[list[int]]) -> int:
         count = 0
         for members in plan:
             total = sum(self.params[i].numel() for i in members)
-            size = self.params[members[0]].element_size() if members else 4
             size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
-            count += len(cut_keys(total, size, self.cfg.partition_bytes if self.cfg.traits.partition else None,
-                                  self.topo.num_servers))
+            count += len(cut_keys(total, size, self._partition_limit(), self.topo.num_servers))
         return count
 
     # ------------------------------------------------------------------ backward

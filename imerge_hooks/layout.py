@@ -145,7 +145,7 @@ class Placement:
     """Each key goes to the server with the fewest bytes so far (ties: round-robin order).
 
     Why not plain round-robin by count: models alternate big weights and tiny biases or
-    BatchNorm parameters, and counting keys would put every weight on one server and every
+    BatchNorm parameters, and counting keys can put every weight on one server and every
     bias on the other. Every worker places the same keys in the same order, so all agree.
     """
 

@@ -35,6 +35,7 @@ class Plan:
     group_start: list[float]
     group_end: list[float]
     note: str = ""  # how the plan was chosen, when more than one method was tried
+    partition_bytes: int | None = None  # key size limit the plan was chosen for (None: the configured one)
 
     def describe(self, sizes: Sequence[float]) -> str:
         """Human-readable table: group, tensors, bytes, start, end (ms)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +34,9 @@ log = logging.getLogger("imerge")
 STARTUP_FACTORS = (1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 64)
 # Bucket sizes of the "merge only small gradients" candidates (bytes).
 SMALL_BUCKETS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+# Partition sizes tried for the chosen plan (partitioned schedules), relative to the configured one.
+PARTITION_FACTORS = (1.0, 0.5, 0.25, 2.0)
+MIN_PARTITION_BYTES = 256 << 10
 TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by more than this
 
 
@@ -146,10 +149,39 @@ def pick(scored: Sequence[Candidate]) -> Candidate:
     return best
 
 
-def describe_choice(best: Candidate, scored: Sequence[Candidate]) -> str:
-    return (f"chosen by simulation: {best.label}, {len(best.groups)} groups, "
-            f"{best.iteration_s * 1e3:.2f} ms/iteration; candidates: "
-            + "; ".join(f"{c.label} ({len(c.groups)} groups) {c.iteration_s * 1e3:.2f} ms" for c in scored))
+def partition_sizes(configured: int) -> list[int]:
+    """Partition sizes to try: the configured one first, then smaller and larger ones."""
+    out: list[int] = []
+    for factor in PARTITION_FACTORS:
+        size = max(MIN_PARTITION_BYTES, int(configured * factor))
+        if size not in out:
+            out.append(size)
+    return out
+
+
+def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[list[list[int]], int], float],
+           partition_bytes: int, partitioned: bool) -> tuple[Candidate, list[Candidate], int, str]:
+    """Score every candidate plan at ``partition_bytes``, then (partitioned schedules) the
+    best plan at other partition sizes. Returns the winner, all plan scores, the partition
+    size and a one-line explanation."""
+    scored = [Candidate(label, groups, score(groups, partition_bytes)) for label, groups in candidates]
+    best = pick(scored)
+    chosen_partition = partition_bytes
+    sizes_note = ""
+    if partitioned:
+        tried = [Candidate(f"{size >> 10} KiB", best.groups,
+                           best.iteration_s if size == partition_bytes else score(best.groups, size))
+                 for size in partition_sizes(partition_bytes)]
+        winner = pick(tried)
+        chosen_partition = int(winner.label.split()[0]) << 10
+        best = Candidate(best.label, best.groups, winner.iteration_s)
+        sizes_note = "; partitions: " + ", ".join(f"{c.label} {c.iteration_s * 1e3:.2f} ms" for c in tried)
+    note = (f"chosen by simulation: {best.label}, {len(best.groups)} groups"
+            + (f", partitions of {chosen_partition >> 10} KiB" if partitioned else "")
+            + f", {best.iteration_s * 1e3:.2f} ms/iteration; candidates: "
+            + "; ".join(f"{c.label} ({len(c.groups)} groups) {c.iteration_s * 1e3:.2f} ms" for c in scored)
+            + sizes_note)
+    return best, scored, chosen_partition, note
 
 
 def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
@@ -159,8 +191,9 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
 
     Tensors are given in ready order (``sizes`` bytes, ``ready`` seconds, ``names``);
     ``cfg`` supplies the schedule's traits, partition and credit sizes and overlap. The
-    returned Plan has the FIFO-model start/end times of the chosen groups (as every plan)
-    and ``method`` ``optimal``; its ``note`` says which candidate won and why.
+    returned Plan has the FIFO-model start/end times of the chosen groups (as every plan),
+    ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and a
+    ``note`` that says which candidate won and why.
     """
     from .simulate import simulate
 
@@ -169,19 +202,19 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
         return plan(sizes, ready, cost_model, "optimal", dtypes=dtypes), []
     spec = model_spec_from_profile(sizes, ready, names, forward_times)
     n = len(sizes)
-    scored: list[Candidate] = []
-    for label, groups in candidate_plans(sizes, ready, cost_model, dtypes):
+
+    def score(groups: list[list[int]], partition: int) -> float:
         # The spec's tensor t (registration order) is ready-order position n-1-t.
-        spec_groups = [[n - 1 - i for i in g] for g in groups]
-        result = simulate(spec, cluster, cfg.schedule, partition_bytes=cfg.partition_bytes,
-                          credit_bytes=cfg.credit_bytes, iterations=3, overlap_forward=cfg.overlap,
-                          timeline=False, groups=spec_groups)
-        scored.append(Candidate(label, groups, result.iteration_s))
-    best = pick(scored)
+        return simulate(spec, cluster, cfg.schedule, partition_bytes=partition, credit_bytes=cfg.credit_bytes,
+                        iterations=3, overlap_forward=cfg.overlap, timeline=False,
+                        groups=[[n - 1 - i for i in g] for g in groups]).iteration_s
+
+    best, scored, partition, note = search(candidate_plans(sizes, ready, cost_model, dtypes), score,
+                                           cfg.partition_bytes, cfg.traits.partition)
     starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes], [float(t) for t in ready], cost_model)
     chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
-                  group_end=ends, note=describe_choice(best, scored))
-    log.info("IMerge: plan %s", chosen.note)
+                  group_end=ends, note=note, partition_bytes=partition if cfg.traits.partition else None)
+    log.info("IMerge: plan %s", note)
     return chosen, scored
 
 

@@ -60,7 +60,7 @@ class Replanner:
         order, result = topo.worker_comm.bcast(decision, root=0) if topo.num_workers > 1 else decision
         self.plan = result
         groups = [[order[j] for j in group] for group in result.groups]
-        engine.set_layout(groups)
+        engine.set_layout(groups, partition_bytes=result.partition_bytes)
         if engine.cfg.plan_log and topo.worker_rank == 0:
             print(self.describe(order), flush=True)
         log.info("IMerge: %s plan with %d groups installed as plan epoch %d", self.method, len(groups), engine.epoch)

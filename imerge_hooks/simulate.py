@@ -766,21 +766,25 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
 
 
 def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: list[int], sizes: list[int],
-                   ready_at: list[float], cost_model: CostModel, **options: Any) -> Plan:
+                   ready_at: list[float], cost_model: CostModel, *, partition_bytes: int, credit_bytes: int,
+                   overlap_forward: bool | None, iterations: int) -> Plan:
     """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
-    from .plansearch import Candidate, candidate_plans, describe_choice, pick
+    from .plansearch import candidate_plans, search
 
     sizes_r = [sizes[i] for i in order]
     ready_r = [ready_at[i] for i in order]
-    scored = []
-    for label, cand in candidate_plans(sizes_r, ready_r, cost_model):
-        result = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
-                          **options)
-        scored.append(Candidate(label, cand, result.iteration_s))
-    best = pick(scored)
+
+    def score(cand: list[list[int]], partition: int) -> float:
+        return simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
+                        partition_bytes=partition, credit_bytes=credit_bytes, overlap_forward=overlap_forward,
+                        iterations=iterations).iteration_s
+
+    partitioned = SCHEDULE_TRAITS[schedule].partition
+    best, _, partition, note = search(candidate_plans(sizes_r, ready_r, cost_model), score, partition_bytes,
+                                      partitioned)
     starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes_r], ready_r, cost_model)
     return Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
-                group_end=ends, note=describe_choice(best, scored))
+                group_end=ends, note=note, partition_bytes=partition if partitioned else None)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -868,6 +872,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                                          partition_bytes=partition_bytes, credit_bytes=credit_bytes,
                                          overlap_forward=overlap_forward, iterations=iterations)
         groups = [[order[j] for j in g] for g in plan_result.groups]
+        if plan_result.partition_bytes is not None:
+            partition_bytes = plan_result.partition_bytes
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
     sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,

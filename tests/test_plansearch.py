@@ -9,7 +9,15 @@ import pytest
 from imerge_hooks.config import Config
 from imerge_hooks.costmodel import LinearModel, PSModel
 from imerge_hooks.planner import plan
-from imerge_hooks.plansearch import StartupScaled, choose_plan, cluster_for, model_spec_from_profile, search_plan
+from imerge_hooks.plansearch import (
+    StartupScaled,
+    choose_plan,
+    cluster_for,
+    model_spec_from_profile,
+    partition_sizes,
+    search,
+    search_plan,
+)
 from imerge_hooks.simulate import simulate
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -133,3 +141,40 @@ def test_simulate_rejects_a_bad_explicit_plan():
         simulate(spec, cluster, "imerge", groups=[[0, 1], [1, 2]])
     with pytest.raises(ValueError, match="exactly once"):
         simulate(spec, cluster, "imerge", groups=[[0, 1]])
+
+
+def test_partition_sizes_and_search_logic():
+    assert partition_sizes(4 * MiB) == [4 * MiB, 2 * MiB, MiB, 8 * MiB]
+    assert partition_sizes(256 * KiB) == [256 * KiB, 512 * KiB]  # never below MIN_PARTITION_BYTES
+    cands = [("fused", [[0, 1, 2]]), ("pairs", [[0, 1], [2]]), ("unfused", [[0], [1], [2]])]
+    # Hand-made scores: "pairs" is fastest; smaller partitions help it by 10% (1 MiB) and 5% (2 MiB).
+    base = {"fused": 1.0, "pairs": 0.8, "unfused": 0.799}  # unfused within the tie tolerance of pairs
+    by_groups = {len(g): base[label] for label, g in cands}
+    factor = {4 * MiB: 1.0, 2 * MiB: 0.95, MiB: 0.9, 8 * MiB: 1.2}
+
+    def score(groups, partition):
+        return by_groups[len(groups)] * factor[partition]
+
+    best, scored, partition, note = search(cands, score, 4 * MiB, partitioned=True)
+    assert best.label == "pairs" and partition == MiB
+    assert best.iteration_s == pytest.approx(0.72)
+    assert [c.iteration_s for c in scored] == pytest.approx([1.0, 0.8, 0.799])
+    assert "partitions of 1024 KiB" in note
+    best, _, partition, note = search(cands, score, 4 * MiB, partitioned=False)
+    assert best.label == "pairs" and partition == 4 * MiB and "partitions" not in note
+
+
+def test_search_plan_reports_the_partition_it_chose():
+    sizes, ready, names = ready_order_model(12, 6 * MiB, 10e-3)
+    model = ps_model(4, 2, startup=2e-3)
+    chosen, _ = search_plan(sizes, ready, names, model, Config(schedule="imerge"), 4, 2)
+    assert chosen.partition_bytes in partition_sizes(4 * MiB)
+    assert f"partitions of {chosen.partition_bytes >> 10} KiB" in chosen.note
+    unpartitioned, _ = search_plan(sizes, ready, names, model, Config(schedule="adaptive-ps"), 4, 2)
+    assert unpartitioned.partition_bytes is None
+    # simulate() installs what its search chose: every key fits the chosen partition size.
+    spec = model_spec_from_profile(sizes, ready, names)
+    result = simulate(spec, cluster_for(model, 4, 2), "imerge", timeline=False)
+    limit = result.plan.partition_bytes
+    assert limit in partition_sizes(4 * MiB)
+    assert all(k.nbytes <= limit for k in result.keys)
