@@ -21,12 +21,16 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import Config
 from .costmodel import CostModel, LinearModel, PSModel
 from .planner import Plan, plan, simulate_fifo
+
+if TYPE_CHECKING:  # simulate imports this module's callers lazily; avoid an import cycle at runtime
+    from .simulate import ClusterSpec, ModelSpec
 
 log = logging.getLogger("imerge")
 
@@ -73,7 +77,7 @@ def module_of(name: str) -> str:
 
 
 def model_spec_from_profile(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str],
-                            forward_times: Mapping[str, float] | None = None):
+                            forward_times: Mapping[str, float] | None = None) -> ModelSpec:
     """A simulator ModelSpec with one layer per tensor, from tensors given in READY order.
 
     Layer ``l`` (forward order) is tensor ``n-1-l``; its backward time is the gap between
@@ -100,7 +104,7 @@ def model_spec_from_profile(sizes: Sequence[int], ready: Sequence[float], names:
     return ModelSpec(layers=layers, batch_size=1, name="profiled")
 
 
-def cluster_for(model: CostModel, workers: int, servers: int):
+def cluster_for(model: CostModel, workers: int, servers: int) -> ClusterSpec | None:
     """The simulated cluster a cost model describes, or None when it describes none."""
     from .simulate import ClusterSpec
 
