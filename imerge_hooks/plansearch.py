@@ -27,7 +27,7 @@ import numpy as np
 
 from .config import Config
 from .costmodel import CostModel, LinearModel, PSModel
-from .planner import Plan, plan, simulate_fifo
+from .planner import Plan, _times, plan, simulate_fifo
 
 if TYPE_CHECKING:  # simulate imports this module's callers lazily; avoid an import cycle at runtime
     from .simulate import ClusterSpec, ModelSpec
@@ -56,9 +56,7 @@ class StartupScaled:
         return float(self.time_array(np.asarray([nbytes]))[0])
 
     def time_array(self, nbytes: np.ndarray) -> np.ndarray:
-        vec = getattr(self.model, "time_array", None)
-        base = (np.asarray(vec(nbytes), dtype=float) if vec is not None
-                else np.fromiter((self.model.time(float(m)) for m in np.ravel(nbytes)), dtype=float))
+        base = _times(self.model, nbytes)
         return np.maximum(base - (1.0 - self.factor) * self.startup, base * self.factor)
 
 
@@ -173,11 +171,12 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
     chosen_partition = partition_bytes
     sizes_note = ""
     if partitioned:
+        sizes = partition_sizes(partition_bytes)
         tried = [Candidate(f"{size >> 10} KiB", best.groups,
                            best.iteration_s if size == partition_bytes else score(best.groups, size))
-                 for size in partition_sizes(partition_bytes)]
+                 for size in sizes]
         winner = pick(tried)
-        chosen_partition = int(winner.label.split()[0]) << 10
+        chosen_partition = next(size for size, cand in zip(sizes, tried) if cand is winner)
         best = Candidate(best.label, best.groups, winner.iteration_s)
         sizes_note = "; partitions: " + ", ".join(f"{c.label} {c.iteration_s * 1e3:.2f} ms" for c in tried)
     note = (f"chosen by simulation: {best.label}, {len(best.groups)} groups"
@@ -186,6 +185,20 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
             + "; ".join(f"{c.label} ({len(c.groups)} groups) {c.iteration_s * 1e3:.2f} ms" for c in scored)
             + sizes_note)
     return best, scored, chosen_partition, note
+
+
+def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
+                  score: Callable[[list[list[int]], int], float], sizes: Sequence[float],
+                  ready: Sequence[float], cost_model: CostModel, partition_bytes: int,
+                  partitioned: bool) -> tuple[Plan, list[Candidate]]:
+    """:func:`search`, as a Plan: the winner's groups with their FIFO-model start/end times,
+    ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and the
+    explanation as ``note``; plus every candidate's score."""
+    best, scored, partition, note = search(candidates, score, partition_bytes, partitioned)
+    starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes], [float(t) for t in ready], cost_model)
+    chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
+                  group_end=ends, note=note, partition_bytes=partition if partitioned else None)
+    return chosen, scored
 
 
 def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
@@ -213,12 +226,9 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
                         iterations=3, overlap_forward=cfg.overlap, timeline=False,
                         groups=[[n - 1 - i for i in g] for g in groups]).iteration_s
 
-    best, scored, partition, note = search(candidate_plans(sizes, ready, cost_model, dtypes), score,
-                                           cfg.partition_bytes, cfg.traits.partition)
-    starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes], [float(t) for t in ready], cost_model)
-    chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
-                  group_end=ends, note=note, partition_bytes=partition if cfg.traits.partition else None)
-    log.info("IMerge: plan %s", note)
+    chosen, scored = searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready,
+                                   cost_model, cfg.partition_bytes, cfg.traits.partition)
+    log.info("IMerge: plan %s", chosen.note)
     return chosen, scored
 
 

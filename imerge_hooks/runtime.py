@@ -200,7 +200,7 @@ def add_flush_callback(fn) -> None:
 def remove_callbacks(*fns) -> None:
     """Unregister flush/join callbacks of a retired engine (missing ones are ignored)."""
     for lst in (_state.flush_callbacks, _state.join_callbacks):
-        lst[:] = [f for f in lst if not any(f == fn for fn in fns)]
+        lst[:] = [f for f in lst if f not in fns]
 
 
 def flush_all() -> None:

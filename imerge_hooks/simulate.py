@@ -79,7 +79,7 @@ from typing import Any
 
 from .config import SCHEDULE_TRAITS, SCHEDULES
 from .costmodel import CostModel, LinearModel, PSModel
-from .planner import Plan, plan, simulate_fifo
+from .planner import Plan, plan
 
 _MiB = 1 << 20
 # Sizes that calibrate_model "measures" (the grid of imerge_hooks.calibrate: 1 KiB .. 64 MiB).
@@ -769,7 +769,7 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
                    ready_at: list[float], cost_model: CostModel, *, partition_bytes: int, credit_bytes: int,
                    overlap_forward: bool | None, iterations: int) -> Plan:
     """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
-    from .plansearch import candidate_plans, search
+    from .plansearch import candidate_plans, searched_plan
 
     sizes_r = [sizes[i] for i in order]
     ready_r = [ready_at[i] for i in order]
@@ -779,12 +779,8 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
                         partition_bytes=partition, credit_bytes=credit_bytes, overlap_forward=overlap_forward,
                         iterations=iterations).iteration_s
 
-    partitioned = SCHEDULE_TRAITS[schedule].partition
-    best, _, partition, note = search(candidate_plans(sizes_r, ready_r, cost_model), score, partition_bytes,
-                                      partitioned)
-    starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes_r], ready_r, cost_model)
-    return Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
-                group_end=ends, note=note, partition_bytes=partition if partitioned else None)
+    return searched_plan(candidate_plans(sizes_r, ready_r, cost_model), score, sizes_r, ready_r, cost_model,
+                         partition_bytes, SCHEDULE_TRAITS[schedule].partition)[0]
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -865,12 +861,13 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         planner_model = used_model
         if traits.planner == "mgwfbp" and isinstance(used_model, PSModel):
             planner_model = LinearModel.fit(used_model.sizes, used_model.times)  # as replan.cost_model_for
-        plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], planner_model, traits.planner,
-                           fusion_threshold_bytes=fusion_threshold_bytes)
         if traits.planner == "optimal" and plan_search and len(sizes) > 1:
             plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, planner_model,
                                          partition_bytes=partition_bytes, credit_bytes=credit_bytes,
                                          overlap_forward=overlap_forward, iterations=iterations)
+        else:
+            plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], planner_model,
+                               traits.planner, fusion_threshold_bytes=fusion_threshold_bytes)
         groups = [[order[j] for j in g] for g in plan_result.groups]
         if plan_result.partition_bytes is not None:
             partition_bytes = plan_result.partition_bytes
