@@ -23,9 +23,11 @@ from ._mpi import MPI
 from .errors import IMergeError, IMergeTimeoutError
 from .layout import Group
 from .polling import Backoff
-from .transport import TAG_ERROR, key_tag
+from .transport import TAG_ERROR, PendingRequests, key_tag
 
 log = logging.getLogger("imerge")
+
+FULL_POLL_S = 0.002  # test every request in flight at least this often (the oldest on every poll)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class CommThread:
         self._seq = itertools.count()
         self._thread = threading.Thread(target=self._run, name="imerge-comm", daemon=True)
         self._stopped = threading.Event()
+        self._wake = threading.Event()  # set by submit()/stop(): ends the comm thread's back-off sleep
         self._thread.start()
 
     # ------------------------------------------------------------------ API (any thread)
@@ -84,6 +87,7 @@ class CommThread:
         group.submitted = True
         group.result_pending = group.swap
         self._queue.put((group, policy))
+        self._wake.set()
 
     def wait(self, group: Group, what: str = "") -> None:
         """Block until ``group`` is complete (or raise the comm thread's error / a timeout)."""
@@ -107,6 +111,7 @@ class CommThread:
     def stop(self) -> None:
         """Stop the thread and join it, so no MPI call runs while MPI finalizes."""
         self._queue.put(None)
+        self._wake.set()
         self._thread.join(10.0)
         if self._thread.is_alive():
             log.error("IMerge worker %d: communication thread did not stop within 10 s", self.rank)
@@ -114,10 +119,14 @@ class CommThread:
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
         ready: list = []  # heap of (priority, seq, task) or (0, seq, task) for FIFO
-        inflight: list[_InFlight] = []
+        inflight: dict[int, _InFlight] = {}  # id(op) -> op
+        # Pushes to one server complete in order; results come back roughly in push order.
+        sends = PendingRequests(window=4 * self.num_servers)
+        recvs = PendingRequests(window=8 * self.num_servers)
+        last_full_poll = 0.0
         bytes_in_flight = 0
         credit: int | None = None
-        backoff = Backoff()
+        backoff = Backoff(sleep=self._nap)
         last_check = time.monotonic()
         try:
             while True:
@@ -140,33 +149,40 @@ class CommThread:
                 while ready and (credit is None or bytes_in_flight == 0
                                  or bytes_in_flight + ready[0][2].nbytes <= credit):
                     _, _, task = heapq.heappop(ready)
-                    inflight.append(self._start(task))
+                    op = self._start(task)
+                    inflight[id(op)] = op
+                    sends.add(op.send, op)
+                    recvs.add(op.recv, op)
                     bytes_in_flight += task.nbytes
                     progressed = True
-                # 3. complete what finished
-                still = []
-                for op in inflight:
-                    if not op.send_done and op.send.Test():
-                        # Credit comes back when the push is delivered, not when the result is: the
-                        # server always drains pushes, so a worker holding credit never waits on
-                        # another worker (waiting for results would deadlock when orders differ).
-                        op.send_done = True
-                        bytes_in_flight -= op.task.nbytes
-                        progressed = True
-                    if not op.recv_done:
-                        op.recv_done = op.recv.Test()
-                    if op.recv_done and op.send_done:
+                # 3. complete what finished: one progress call per kind; every request is tested
+                #    at least every FULL_POLL_S, the oldest ones on every poll
+                now = time.monotonic()
+                full = now - last_full_poll > FULL_POLL_S
+                if full:
+                    last_full_poll = now
+                for op in sends.completed(full):
+                    # Credit comes back when the push is delivered, not when the result is: the
+                    # server always drains pushes, so a worker holding credit never waits on
+                    # another worker (waiting for results would deadlock when orders differ).
+                    op.send_done = True
+                    bytes_in_flight -= op.task.nbytes
+                    progressed = True
+                    if op.recv_done:
+                        del inflight[id(op)]
                         self._finish(op)
-                        progressed = True
-                    else:
-                        still.append(op)
-                inflight = still
+                for op in recvs.completed(full):
+                    op.recv_done = True
+                    progressed = True
+                    if op.send_done:
+                        del inflight[id(op)]
+                        self._finish(op)
                 # 4. errors from servers and timeouts
                 now = time.monotonic()
                 if now - last_check > 0.2:
                     last_check = now
                     self._check_server_errors()
-                    for op in inflight:
+                    for op in inflight.values():
                         if now - op.started > self.timeout_s:
                             spec = op.task.group.keys[op.task.slot]
                             raise IMergeTimeoutError(
@@ -176,7 +192,7 @@ class CommThread:
                 if progressed:
                     backoff.reset()
                 elif inflight:
-                    backoff.idle()
+                    backoff.idle(now - next(iter(inflight.values())).started)  # the oldest in flight
         except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
             if not isinstance(exc, IMergeError):
                 exc = IMergeError(f"IMerge worker {self.rank}: communication thread failed: {exc!r}")
@@ -185,6 +201,10 @@ class CommThread:
             for group in list(self._active.values()):
                 _run_callbacks(group, exc)
             self._stopped.set()
+
+    def _nap(self, seconds: float) -> None:
+        if self._wake.wait(seconds):
+            self._wake.clear()
 
     def _expand(self, group: Group, policy: SchedulePolicy, ready: list) -> None:
         slots = list(range(len(group.keys)))

@@ -28,11 +28,14 @@ from .transport import (
     TAG_ERROR,
     TAG_REPLY,
     KeySpec,
+    PendingRequests,
     as_mpi_buffer,
     table_from_wire,
 )
 
 log = logging.getLogger("imerge")
+
+FULL_POLL_S = 0.002  # test every result send at least this often (the oldest ones on every poll)
 
 
 @dataclass
@@ -74,7 +77,10 @@ class Server:
         self._stages = 0  # stages served so far
         self.joined: set[int] = set()  # workers out of data (imerge_hooks.join())
         self.last_joined = -1
-        self._orphans: list = []  # (buffer, send requests) of keys dropped by a new plan epoch
+        # Result sends in flight, owned by their key's state; this also keeps the buffers of keys
+        # that a new plan epoch dropped alive until their last result has gone out.
+        self._sending = PendingRequests(window=2 * self.workers)
+        self._last_full_poll = 0.0
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
         self._delayed: list[tuple[float, int, list[int]]] = []
@@ -167,8 +173,6 @@ class Server:
         table = table_from_wire(regs[0]["keys"])
         self.epoch = regs[0]["epoch"]
         old = self.keys
-        self._orphans += [(st.out, st.sends) for key, st in old.items()
-                          if st.sends and all(k.key != key for k in table)]
         self.keys = {k.key: old[k.key] if k.key in old and old[k.key].spec == k else self._make_state(k)
                      for k in table if k.server == self.index}
         for worker in regs:
@@ -212,14 +216,14 @@ class Server:
             state.first_push_at = time.monotonic()
             state.warned = False
             if state.acc.dtype == state.wire.dtype:
-                msg.Recv(state.acc_buf)
+                self._receive(msg, state.acc_buf, source, state.spec)
                 if self.workers > 1:
                     state.acc.mul_(scale)
             else:
-                msg.Recv(state.wire_buf)
+                self._receive(msg, state.wire_buf, source, state.spec)
                 torch.mul(state.wire, scale, out=state.acc)
         else:
-            msg.Recv(state.wire_buf)
+            self._receive(msg, state.wire_buf, source, state.spec)
             state.acc.add_(state.wire, alpha=scale)
         state.count += 1
         state.arrived.add(source)
@@ -227,6 +231,26 @@ class Server:
         self.bytes_in += nbytes
         if state.count == self.workers - len(self.joined - state.arrived):
             self._complete(state)
+
+    def _receive(self, msg: MPI.Message, buf, source: int, spec: KeySpec) -> None:
+        """Receive a matched push, sleeping between polls instead of spinning.
+
+        A push is matched when its first bytes arrive; the rest streams in at the link's pace.
+        A blocking ``Recv`` would busy-wait for all of it, taking CPU from the ranks that share
+        this host's cores (and from the TCP stack that is delivering the bytes).
+        """
+        request = msg.Irecv(buf)
+        if request.Test():
+            return
+        deadline = time.monotonic() + self.cfg.timeout_s
+        backoff = Backoff()
+        while not request.Test():
+            if time.monotonic() > deadline:
+                log.error("IMerge server %d: the push of %s from worker %d did not finish arriving within "
+                          "%.0f s (timeout_s): aborting the job", self.index, spec.describe(), source,
+                          self.cfg.timeout_s)
+                MPI.COMM_WORLD.Abort(3)
+            backoff.idle()
 
     def _complete(self, state: _KeyState) -> None:
         """Every worker that still trains has pushed: send the average (rescaled if some joined)."""
@@ -262,6 +286,8 @@ class Server:
     def _send_result(self, state: _KeyState, dests: list[int]) -> None:
         tag = KEY_TAG_BASE + state.spec.key
         state.sends = [self.comm.Isend(state.out_buf, dest=w, tag=tag) for w in dests]
+        for request in state.sends:
+            self._sending.add(request, state)
 
     def _send_due(self) -> None:
         now = time.monotonic()
@@ -282,9 +308,13 @@ class Server:
         state.sends = []
 
     def _progress_sends(self) -> None:
-        self._orphans = [(buf, reqs) for buf, reqs in self._orphans if not MPI.Request.Testall(reqs)]
-        for state in self.keys.values():
-            if state.sends and MPI.Request.Testall(state.sends):
+        """Retire finished result sends with one progress call (not one per key)."""
+        now = time.monotonic()
+        full = now - self._last_full_poll > FULL_POLL_S
+        if full:
+            self._last_full_poll = now
+        for state in {id(state): state for state in self._sending.completed(full)}.values():
+            if state.sends and not any(state.sends):  # completed requests are REQUEST_NULL, which is falsy
                 state.sends = []
 
     def _wait_sends(self) -> None:

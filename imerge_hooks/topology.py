@@ -82,9 +82,21 @@ def build_topology(num_servers: int) -> Topology:
         local_rank, local_size = node.Get_rank(), node.Get_size()
         node.Free()
     everyone_here = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
-    ranks_on_node = everyone_here.Get_size()
+    machines = world.allgather(machine_identity())
+    # MPI's view of "this node" misses ranks that it was told to treat as remote (separate network
+    # namespaces, MPIR_CVAR_NOLOCAL, containers); they still share this machine's cores.
+    ranks_on_node = max(everyone_here.Get_size(), machines.count(machines[rank]))
     everyone_here.Free()
     return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size, ranks_on_node)
+
+
+def machine_identity() -> str:
+    """Names this machine (its kernel's boot id), the same in every namespace or container on it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
 
 
 def server_for_key(key: int, num_servers: int) -> int:

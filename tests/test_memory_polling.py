@@ -1,6 +1,7 @@
 """Huge-page arenas for gradient buffers and the polling mode choice."""
 
 import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,3 +58,10 @@ def test_bad_polling_mode_is_refused():
 
     with pytest.raises(ValueError, match="polling"):
         Config(polling="busy")
+
+
+def test_pending_requests_window_full_poll_and_compaction():
+    from mpirun import run_mpi
+
+    run = run_mpi(Path(__file__).parent / "scripts" / "pending_requests.py", 1, timeout=60).check()
+    assert run.lines(0, "PENDING-OK") == [""]
