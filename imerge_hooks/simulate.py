@@ -800,7 +800,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = 4 * _MiB,
-             credit_bytes: int = 64 * _MiB, fusion_threshold_bytes: int = 25 * _MiB,
+             credit_bytes: int = 8 * _MiB, fusion_threshold_bytes: int = 25 * _MiB,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
              plan_search: bool = True) -> SimResult:
