@@ -65,3 +65,42 @@ def test_pending_requests_window_full_poll_and_compaction():
 
     run = run_mpi(Path(__file__).parent / "scripts" / "pending_requests.py", 1, timeout=60).check()
     assert run.lines(0, "PENDING-OK") == [""]
+
+
+def test_ranks_that_mpi_treats_as_remote_still_count_as_sharing_the_machine():
+    """MPIR_CVAR_NOLOCAL (as in the emulated cluster, one network namespace per rank) makes
+    MPI's shared-memory split see one rank per node; the ranks still share these cores, so
+    with more ranks than cores auto polling must not pick ``spin``."""
+    from mpirun import run_mpi
+
+    ranks = 3
+    expected = "yield" if ranks > polling.usable_cores() else "spin"
+    run = run_mpi(Path(__file__).parent / "scripts" / "ranks_on_node.py", ranks, timeout=60,
+                  env={"MPIR_CVAR_NOLOCAL": "1"}).check()
+    for rank in range(ranks):
+        assert run.lines(rank, "RANKS") == [f"{ranks} {expected}"], run.stdout
+
+
+def test_backoff_sleeps_grow_with_the_wait_but_stay_bounded():
+    naps: list[float] = []
+    short = polling.Backoff(spin_s=0.0, sleep=naps.append)
+    for _ in range(12):
+        short.idle(waited_s=0.0)
+    assert naps and max(naps) == pytest.approx(polling.MAX_SLEEP_S)  # a fresh wait: 250 us at most
+
+    naps.clear()
+    long = polling.Backoff(spin_s=0.0, sleep=naps.append)
+    for _ in range(12):
+        long.idle(waited_s=10.0)  # the oldest transfer has taken 10 s: 5% of it is over the cap
+    assert max(naps) == pytest.approx(polling.MAX_SLEEP_LONG_S)
+    assert naps == sorted(naps), "sleeps back off monotonically"
+
+    naps.clear()
+    mid = polling.Backoff(spin_s=0.0, sleep=naps.append)
+    for _ in range(12):
+        mid.idle(waited_s=0.02)  # 20 ms: sleeps up to 1 ms (5%)
+    assert max(naps) == pytest.approx(0.001)
+    long.reset()
+    naps.clear()
+    long.idle(waited_s=10.0)
+    assert naps == [], "the first poll after progress does not sleep"
