@@ -27,8 +27,6 @@ from .transport import TAG_ERROR, PendingRequests, key_tag
 
 log = logging.getLogger("imerge")
 
-FULL_POLL_S = 0.002  # test every request in flight at least this often (the oldest on every poll)
-
 
 @dataclass
 class SchedulePolicy:
@@ -123,7 +121,6 @@ class CommThread:
         # Pushes to one server complete in order; results come back roughly in push order.
         sends = PendingRequests(window=4 * self.num_servers)
         recvs = PendingRequests(window=8 * self.num_servers)
-        last_full_poll = 0.0
         bytes_in_flight = 0
         credit: int | None = None
         backoff = Backoff(sleep=self._nap)
@@ -155,13 +152,8 @@ class CommThread:
                     recvs.add(op.recv, op)
                     bytes_in_flight += task.nbytes
                     progressed = True
-                # 3. complete what finished: one progress call per kind; every request is tested
-                #    at least every FULL_POLL_S, the oldest ones on every poll
-                now = time.monotonic()
-                full = now - last_full_poll > FULL_POLL_S
-                if full:
-                    last_full_poll = now
-                for op in sends.completed(full):
+                # 3. complete what finished: one progress call per kind (PendingRequests)
+                for op in sends.completed():
                     # Credit comes back when the push is delivered, not when the result is: the
                     # server always drains pushes, so a worker holding credit never waits on
                     # another worker (waiting for results would deadlock when orders differ).
@@ -171,7 +163,7 @@ class CommThread:
                     if op.recv_done:
                         del inflight[id(op)]
                         self._finish(op)
-                for op in recvs.completed(full):
+                for op in recvs.completed():
                     op.recv_done = True
                     progressed = True
                     if op.send_done:

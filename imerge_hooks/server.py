@@ -35,8 +35,6 @@ from .transport import (
 
 log = logging.getLogger("imerge")
 
-FULL_POLL_S = 0.002  # test every result send at least this often (the oldest ones on every poll)
-
 
 @dataclass
 class _KeyState:
@@ -80,7 +78,6 @@ class Server:
         # Result sends in flight, owned by their key's state; this also keeps the buffers of keys
         # that a new plan epoch dropped alive until their last result has gone out.
         self._sending = PendingRequests(window=2 * self.workers)
-        self._last_full_poll = 0.0
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
         self._delayed: list[tuple[float, int, list[int]]] = []
@@ -309,11 +306,7 @@ class Server:
 
     def _progress_sends(self) -> None:
         """Retire finished result sends with one progress call (not one per key)."""
-        now = time.monotonic()
-        full = now - self._last_full_poll > FULL_POLL_S
-        if full:
-            self._last_full_poll = now
-        for state in {id(state): state for state in self._sending.completed(full)}.values():
+        for state in {id(state): state for state in self._sending.completed()}.values():
             if state.sends and not any(state.sends):  # completed requests are REQUEST_NULL, which is falsy
                 state.sends = []
 

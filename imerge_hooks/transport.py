@@ -15,6 +15,7 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,9 @@ def table_from_wire(rows: list[tuple]) -> list[KeySpec]:
 
 
 
+FULL_POLL_S = 0.002  # PendingRequests tests every request at least this often (the oldest on every poll)
+
+
 class PendingRequests:
     """Requests in flight, each with an owner, tested by ONE ``MPI_Testsome`` per poll.
 
@@ -79,8 +83,8 @@ class PendingRequests:
     ``epoll_wait`` each); with hundreds of partitions in flight that cost the workers more CPU
     than moving the bytes. Even one Testsome over N requests costs O(N) in mpi4py, so a quick
     poll tests only the ``window`` oldest requests (the ones due first: a TCP connection
-    delivers in order and servers answer keys roughly in push order) and a full poll, which
-    the caller asks for every few milliseconds, tests them all. MPI progress is global, so the
+    delivers in order and servers answer keys roughly in push order) and a full poll, at least
+    every ``FULL_POLL_S``, tests them all. MPI progress is global, so the
     bytes of every request keep moving either way; the window only delays noticing a request
     that finished out of order, by at most the full-poll period.
 
@@ -94,6 +98,7 @@ class PendingRequests:
         self._owners: list = []
         self._head = 0  # entries before it are completed
         self._retired = 0
+        self._last_full_poll = 0.0
 
     def add(self, request, owner) -> None:
         self._requests.append(request)
@@ -102,8 +107,16 @@ class PendingRequests:
     def __len__(self) -> int:
         return len(self._requests) - self._retired
 
-    def completed(self, full: bool = True) -> list:
-        """Owners of the requests found complete by this poll (one progress call)."""
+    def completed(self, full: bool | None = None) -> list:
+        """Owners of the requests found complete by this poll (one progress call).
+
+        ``full``: test every request (True) or only the window (False); by default a poll is
+        full when the last full one is ``FULL_POLL_S`` old."""
+        if full is None:
+            now = time.monotonic()
+            full = now - self._last_full_poll > FULL_POLL_S
+            if full:
+                self._last_full_poll = now
         requests = self._requests
         while self._head < len(requests) and not requests[self._head]:
             self._head += 1
