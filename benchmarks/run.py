@@ -72,6 +72,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.netlab import netlab as nl  # noqa: E402
+from benchmarks.netlab.linkmon import LinkMonitor  # noqa: E402
+from benchmarks.netlab.linkmon import summarize as summarize_links  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "worker_replay.py"
 PROFILES = REPO / "benchmarks" / "profiles"
@@ -105,6 +107,10 @@ def loadavg() -> list[float] | None:
             return [float(v) for v in f.read().split()[:3]]
     except OSError:
         return None
+
+
+def fmt_list(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
 
 
 def fmt_s(seconds: float) -> str:
@@ -154,13 +160,35 @@ def startup_for(workers: int, psmodels: dict, fallback: float) -> tuple[float, s
 
 
 def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidth_Bps: float, startup_s: float,
-                 time_scale: float, cost_model=None, timeline: bool = False, fabric_Bps: float | None = None):
+                 time_scale: float, cost_model=None, timeline: bool = False, fabric_Bps: float | None = None,
+                 share: tuple[float, float] | None = None):
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
 
     spec = ModelSpec.from_profile_json(PROFILES / f"{model}-cpu.json")
+    cv, period = share if share is not None else (0.0, 1.0)
     cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth_Bps * GOODPUT,
-                          startup_s=startup_s, time_scale=time_scale, fabric_Bps=fabric_Bps)
+                          startup_s=startup_s, time_scale=time_scale, fabric_Bps=fabric_Bps,
+                          share_cv=cv, share_period_s=period)
     return simulate(spec, cluster, schedule, cost_model=cost_model, timeline=timeline)
+
+
+def measured_shares(launches: list[dict], workers: list[int], args) -> dict[int, tuple[float, float, str]]:
+    """Per W: (connection share CV, share period s, source) for the simulator's uneven-sharing model.
+
+    The median over the monitored launches at that W with enough saturated windows; else
+    ``--share-cv``/``--share-period`` when given.
+    """
+    out = {}
+    for W in workers:
+        got = [li["links"] for li in launches if li.get("workers") == W and li.get("links")
+               and (li["links"].get("dispersion_windows") or 0) >= 4 and li["links"].get("share_period_s")]
+        if got:
+            out[W] = (statistics.median(g["connection_share_cv"] for g in got),
+                      statistics.median(g["share_period_s"] for g in got),
+                      f"link monitor, median of {len(got)} launches")
+        elif args.share_cv is not None:
+            out[W] = (args.share_cv, args.share_period, "--share-cv/--share-period")
+    return out
 
 
 def probe_fabric(workers: int, servers: int, args) -> dict:
@@ -215,7 +243,8 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
     argv = [sys.executable, str(WORKER), "--model", job.model, "--schedules", ",".join(job.schedules),
             "--time-scale", repr(args.time_scale), "--iters", str(job.iters or args.iters),
             "--warmup", str(args.warmup),
-            "--profile-steps", str(args.profile_steps)] + (["--baseline"] if baseline else [])
+            "--profile-steps", str(args.profile_steps)] + (["--baseline"] if baseline else []) + \
+        (["--alternate", args.alternate] if args.alternate else [])
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IMERGE_NUM_SERVERS": str(S),
            "IMERGE_COST_MODEL_PATH": str(cache_dir / "psmodel-{workers}w-{servers}s-{hosts}.json"),
            "IMERGE_TIMEOUT_S": str(int(args.imerge_timeout)), "PYTHONPATH": str(REPO)}
@@ -262,7 +291,10 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
     W, S = job.workers, args.servers
     hosts = W + S
     counters0 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
-    load0, t0 = loadavg(), time.perf_counter()
+    monitor = LinkMonitor(hosts, args.prefix, interval_s=args.link_monitor) if args.link_monitor > 0 else None
+    if monitor is not None:
+        monitor.__enter__()
+    load0, t0, t_mono0 = loadavg(), time.perf_counter(), time.monotonic()
     timeout = args.job_timeout or max(300.0, 3.0 * job.estimate_s + 240.0)
     results: list[dict] = []
     rankinfo: list[dict] = []
@@ -287,13 +319,37 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
             out.flush()
             for kind, doc in tagged_json(line):
                 if kind == "RESULT":
+                    doc["_ended"] = time.monotonic()  # link-monitor clock: this schedule's samples end here
                     results.append(doc)
                     log(f"      {job.model} W={W} {doc['schedule']:<12} {doc['iteration_s']:8.3f} s/iter "
                         f"{doc['samples_per_s']:8.2f} samples/s  ({fmt_s(time.perf_counter() - t0)} into the launch)")
+                    if doc.get("alternate"):
+                        ab = doc["alternate"]
+                        log(f"      A/B in one plan: A (engine's policy) {fmt_list(ab['a_s'])} s/iter, "
+                            f"B ({args.alternate}) {fmt_list(ab['b_s'])} s/iter")
                 else:
                     rankinfo.append(doc)
         rc = proc.wait()
     wall = time.perf_counter() - t0
+    links = None
+    if monitor is not None:
+        monitor.__exit__(None, None, None)
+        (log_dir / f"{tag}.links.json").write_text(json.dumps(monitor.samples))
+        links = summarize_links(monitor.samples, W, S, args.bandwidth_Bps * GOODPUT)
+        links["raw"] = str(log_dir / f"{tag}.links.json")
+        begun = t_mono0
+        for r in results:  # each schedule's own share of the samples (profile, warm-up and timed iterations)
+            part = [x for x in monitor.samples if begun <= x[0] <= r["_ended"]]
+            if r["schedule"] != "local" and len(part) >= 3:
+                r["links"] = summarize_links(part, W, S, args.bandwidth_Bps * GOODPUT)
+                del r["links"]["upload_utilisation"], r["links"]["download_utilisation"]
+            begun = r["_ended"]
+        if links.get("worker_push_cv") is not None:
+            sat = links["server_ingress_saturated_fraction"]
+            egress = links["server_egress_utilisation_while_ingress_saturated"]
+            log(f"      links: server ingress saturated {100 * sat:.0f}% of the time, egress meanwhile at "
+                f"{100 * egress:.0f}%; workers' push rates CV {links['worker_push_cv']:.2f}, persisting "
+                f"~{links['share_period_s'] or 0:.1f} s")
     counters1 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
     tx = [c1["tx_bytes"] - c0["tx_bytes"] for c0, c1 in zip(counters0, counters1)]
     rx = [c1["rx_bytes"] - c0["rx_bytes"] for c0, c1 in zip(counters0, counters1)]
@@ -304,7 +360,9 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
             "rank_cpu_s": cpu, "cpu_utilisation": cpu / (wall * (os.cpu_count() or 1)) if wall > 0 else None,
             "max_rss_mb": max((r.get("maxrss_mb", 0.0) for r in rankinfo), default=None),
             "estimated_peak_ram_gb": need / 1e9, "shared_params": bool(args.share_params),
-            "rankinfo": rankinfo, "log": str(log_dir / f"{tag}.stderr")}
+            "rankinfo": rankinfo, "links": links, "log": str(log_dir / f"{tag}.stderr")}
+    for r in results:
+        r.pop("_ended", None)
     missing = [s for s in job.schedules if s not in {r["schedule"] for r in results}]
     if rc != 0 or missing:
         tail = (log_dir / f"{tag}.stderr").read_text()[-3000:]
@@ -343,6 +401,10 @@ def table_text(title: str, rows: dict, columns: list[str], fmt) -> str:
     for w in sorted(rows):
         lines.append(f"{w:>4}" + "".join(f"{v:>{n}}" for v, n in zip(cells[w], widths)))
     return "\n".join(lines)
+
+
+def _links_cell(v: dict, w: int, c: str) -> str:
+    return f"{v['worker_push_cv']:.2f}/{100 * v['server_egress_utilisation_while_ingress_saturated']:.0f}%"
 
 
 def by_model(runs: list[dict], value="samples_per_s") -> dict:
@@ -515,6 +577,18 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--resume", action="store_true", help="keep measured runs already in the JSON")
     ap.add_argument("--recalibrate", action="store_true", help="delete the cached PS models first")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--alternate", default=None, metavar="FIELD=VALUE[,...]",
+                    help="A/B inside each launch of a partitioned schedule: worker_replay alternates the engine's "
+                         "SchedulePolicy with these fields every two timed iterations (e.g. "
+                         "result_window_bytes=none); the JSON gets both series")
+    ap.add_argument("--link-monitor", type=float, default=0.1, metavar="SECONDS",
+                    help="sample the switch ports' byte counters this often during each launch (0: off); the "
+                         "summary (utilisation, push-share dispersion) goes into the JSON, the samples next to "
+                         "the logs")
+    ap.add_argument("--share-cv", type=float, default=None,
+                    help="uneven incast sharing for the simulator's validation when no launch at that W was "
+                         "monitored (default: measured by the link monitor)")
+    ap.add_argument("--share-period", type=float, default=1.0, help="seconds a share persists (with --share-cv)")
     ap.add_argument("--dry-run", action="store_true", help="list the launches with time and RAM estimates, run nothing")
     args = ap.parse_args(argv)
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
@@ -762,6 +836,18 @@ def main(argv: list[str] | None = None) -> int:
     if measured_runs:
         print("\n==== MEASURED (emulated cluster: netlab, one rank per host) ====")
         print_tables("measured", meas_tp, meas_base, args.models, args.fusion, args.table2)
+    monitored = [r for r in measured_runs if (r.get("links") or {}).get("worker_push_cv") is not None]
+    if monitored:
+        print("\n---- Links (link monitor, per schedule): workers' push-rate CV while every server's ingress is "
+              "saturated / server egress utilisation meanwhile ----")
+        for m in args.models:
+            rows: dict = {}
+            for r in monitored:
+                if r["model"] == m:
+                    rows.setdefault(r["workers"], {})[r["schedule"]] = r["links"]
+            if rows:
+                print()
+                print(table_text(f"{m}: push CV / egress", rows, args.all_schedules, _links_cell))
     print("\n==== SIMULATED (imerge_hooks.simulate, ClusterSpec of the emulation) ====")
     print_tables("simulated", sim_tp, sim_base, args.models, args.fusion, args.table2)
 
@@ -812,6 +898,10 @@ def main(argv: list[str] | None = None) -> int:
     if measured_runs:
         val = []
         vw = [w for w in args.validate_workers if w in args.workers]
+        shares = measured_shares(launches, vw, args)
+        doc["shares"] = {str(w): v for w, v in shares.items()}
+        for W, (cv, period, src) in sorted(shares.items()):
+            log(f"[links] W={W}: connection share CV {cv:.2f}, period {period:.2f} s ({src})")
         for r in measured_runs:
             if r["workers"] not in vw:
                 continue
@@ -830,12 +920,23 @@ def main(argv: list[str] | None = None) -> int:
                                   fabric_Bps=fab["aggregate_Bps"])
                 row.update(fabric_Bps=fab["aggregate_Bps"], predicted_fabric_s=pf.iteration_s,
                            error_fabric=(pf.iteration_s - r["iteration_s"]) / r["iteration_s"])
+                share = shares.get(W)
+                if share is not None:
+                    ps = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm,
+                                      fabric_Bps=fab["aggregate_Bps"], share=share[:2])
+                    row.update(share_cv=share[0], share_period_s=share[1], share_source=share[2],
+                               predicted_share_s=ps.iteration_s,
+                               error_share=(ps.iteration_s - r["iteration_s"]) / r["iteration_s"])
             val.append(row)
         doc["validation"] = val
         variants = [("predicted_s", "error", "links only (the model of a real cluster)")]
         if any("error_fabric" in v for v in val):
             variants.append(("predicted_fabric_s", "error_fabric",
                              "links + the emulator's shared CPUs (fabric cap from netlab/duplex_probe.py)"))
+        if any("error_share" in v for v in val):
+            variants.append(("predicted_share_s", "error_share",
+                             "links + fabric cap + uneven incast sharing (share CV and period from the link "
+                             "monitor)"))
         for key, err, what in variants if val else []:
             print(f"\n==== Simulator validation, {what}: predicted vs measured iteration time "
                   "(error = pred/meas - 1; target |error| <= 15%) ====")

@@ -165,10 +165,17 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
     starts: list[float] = []
     cpu0 = None
     fwd_s, bwd_s = [], []
+    engine = None if local else opt._imerge_engine
+    policies = _ab_policies(engine, args.alternate) if engine is not None else None
     for it in range(warm + args.iters):
         t = time.perf_counter()
         if it == warm:
             cpu0 = time.process_time()
+        if policies is not None and it >= warm:
+            # A/B in one launch, one plan: blocks of two iterations, A B A B ...; every worker
+            # switches at the same iteration. Only a block's second iteration is counted (the
+            # first may still wait for the other policy's communication).
+            vars(engine.policy).update(policies[((it - warm) // 2) % 2])
         if it >= warm:
             starts.append(t)
         opt.zero_grad()
@@ -189,7 +196,6 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
             "backward_s": statistics.median(bwd_s), "cpu_s_per_iter": cpu / args.iters}
     n_groups = n_keys = None
     if not local:
-        engine = opt._imerge_engine
         n_groups = len(engine.groups)
         n_keys = sum(len(g.keys) for g in engine.groups)
         everyone = worker_comm.gather(mine, root=0) if worker_comm is not None else [mine]
@@ -220,7 +226,24 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
         "worker_cpu_s_per_iter": statistics.mean(w["cpu_s_per_iter"] for w in everyone),
         "worker_iteration_s": [w["elapsed"] / args.iters for w in everyone],
         "groups": n_groups, "keys": n_keys,
+        **({"alternate": {"policies": policies,
+                          "a_s": [per_iter[i] for i in range(1, args.iters, 4)],
+                          "b_s": [per_iter[i] for i in range(3, args.iters, 4)]}} if policies else {}),
     }
+
+
+def _ab_policies(engine, alternate: str | None) -> list[dict] | None:
+    """(A, B) SchedulePolicy fields for ``--alternate`` (A: the engine's own), or None."""
+    if not alternate or engine.policy.credit_bytes is None:  # only partitioned schedules
+        return None
+    a = dict(vars(engine.policy))
+    b = dict(a)
+    for item in alternate.split(","):
+        name, _, value = item.partition("=")
+        if name not in a:
+            raise SystemExit(f"--alternate: SchedulePolicy has no field {name!r} (fields: {sorted(a)})")
+        b[name] = None if value.lower() == "none" else int(value)
+    return [a, b]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=3, help="timed iterations")
     ap.add_argument("--baseline", action="store_true",
                     help="first time one worker alone with no communication (schedule 'local')")
+    ap.add_argument("--alternate", default=None, metavar="FIELD=VALUE[,...]",
+                    help="partitioned schedules: alternate the engine's SchedulePolicy with these fields "
+                         "(e.g. result_window_bytes=none) in blocks of two timed iterations; A/B in one plan")
     ap.add_argument("--share-params", default=None, metavar="FILE",
                     help="map all parameters from FILE (MAP_SHARED, pre-sized) to save RAM; see share_parameters")
     args = ap.parse_args(argv)

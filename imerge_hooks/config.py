@@ -33,6 +33,7 @@ SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
 }
 
 _MiB = 1 << 20
+RESULT_WINDOW_BYTES: int | None = None  # the default of Config.result_window_bytes (and simulate)
 
 
 @dataclass
@@ -45,6 +46,8 @@ class Config:
     partition_bytes: int = 4 * _MiB
     credit_bytes: int = 8 * _MiB  # measured: AlexNet W=8 on the emulated cluster, 8 MiB beats 64 MiB by ~12%
     fusion_threshold_bytes: int = 25 * _MiB
+    # None: off. An A/B in one plan (AlexNet W=8, emulated cluster) found no gain; see flowcontrol
+    result_window_bytes: int | None = RESULT_WINDOW_BYTES
     profile_steps: int = 10
     overlap_forward: bool | None = None  # None: as the schedule says
     timeout_s: float = 600.0
@@ -67,6 +70,9 @@ class Config:
         for name in ("partition_bytes", "credit_bytes", "fusion_threshold_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"IMerge: {name} must be positive, got {getattr(self, name)}")
+        if self.result_window_bytes is not None and self.result_window_bytes <= 0:
+            raise ValueError("IMerge: result_window_bytes must be positive or None (no window), "
+                             f"got {self.result_window_bytes}")
         if self.timeout_s <= 0:
             raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
         if self.polling not in ("auto", "spin", "yield"):

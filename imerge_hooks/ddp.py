@@ -58,7 +58,8 @@ class IMergeHookState:
                                     "every bucket before step()); use imerge_hooks.DistributedOptimizer")
         traits = self.cfg.traits
         self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
-                                     credit_bytes=self.cfg.credit_bytes if traits.partition else None)
+                                     credit_bytes=self.cfg.credit_bytes if traits.partition else None,
+                                     result_window_bytes=self.cfg.result_window_bytes if traits.partition else None)
         self.topo = runtime.topology()
         self.comm = runtime.comm_thread()
         self.client = runtime.new_client_id()

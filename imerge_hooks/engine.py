@@ -41,7 +41,8 @@ class GradientEngine:
         self._check_parameters()
         traits = config.traits
         self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
-                                     credit_bytes=config.credit_bytes if traits.partition else None)
+                                     credit_bytes=config.credit_bytes if traits.partition else None,
+                                     result_window_bytes=config.result_window_bytes if traits.partition else None)
         self.immediate = not traits.push_after_backward
         self.passes = config.backward_passes_per_step
         self.iteration = 0

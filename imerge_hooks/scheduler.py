@@ -4,13 +4,13 @@ Groups arrive from the engine as they become ready. Each is expanded into one ta
 tasks go out FIFO, or front layers first when ``priority`` is on (a partly sent group yields
 to a higher-priority one at partition granularity). With ``stagger`` worker r starts each
 group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
-(at least one push always is);
-credit returns when a push is delivered. Errors are kept and re-raised in the thread that waits.
+(at least one push always is; credit returns when a push is delivered) and at most
+``result_window_bytes`` wait for their results (``flowcontrol``). Errors are kept and re-raised
+in the thread that waits.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 import queue
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ._mpi import MPI
 from .errors import IMergeError, IMergeTimeoutError
+from .flowcontrol import ReadyQueue, SendWindows, SharedOrder
 from .layout import Group
 from .polling import Backoff
 from .transport import TAG_ERROR, PendingRequests, key_tag
@@ -33,12 +34,14 @@ class SchedulePolicy:
     priority: bool = False
     stagger: bool = False
     credit_bytes: int | None = None  # None: unlimited
+    result_window_bytes: int | None = None  # None: unlimited
 
 
 @dataclass
 class _Task:
     group: Group
     slot: int  # index into group.keys
+    order: SharedOrder  # the key's place in the order every worker shares (flowcontrol)
 
     @property
     def nbytes(self) -> int:
@@ -116,13 +119,12 @@ class CommThread:
 
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
-        ready: list = []  # heap of (priority, seq, task) or (0, seq, task) for FIFO
+        ready = ReadyQueue()
         inflight: dict[int, _InFlight] = {}  # id(op) -> op
         # Pushes to one server complete in order; results come back roughly in push order.
         sends = PendingRequests(window=4 * self.num_servers)
         recvs = PendingRequests(window=8 * self.num_servers)
-        bytes_in_flight = 0
-        credit: int | None = None
+        windows = self.windows = SendWindows(None, None, who=f" worker {self.rank}")
         backoff = Backoff(sleep=self._nap)
         last_check = time.monotonic()
         try:
@@ -139,18 +141,17 @@ class CommThread:
                         self._stopped.set()
                         return
                     group, policy = item
-                    credit = policy.credit_bytes
+                    windows.configure(policy.credit_bytes, policy.result_window_bytes)
                     self._expand(group, policy, ready)
-                # 2. start tasks within the credit window
+                # 2. start tasks within the credit and result windows
                 progressed = False
-                while ready and (credit is None or bytes_in_flight == 0
-                                 or bytes_in_flight + ready[0][2].nbytes <= credit):
-                    _, _, task = heapq.heappop(ready)
+                now = time.monotonic()
+                while ready and (task := ready.take(windows, now)) is not None:
                     op = self._start(task)
                     inflight[id(op)] = op
                     sends.add(op.send, op)
                     recvs.add(op.recv, op)
-                    bytes_in_flight += task.nbytes
+                    windows.started(task.nbytes, task.order, now)
                     progressed = True
                 # 3. complete what finished: one progress call per kind (PendingRequests)
                 for op in sends.completed():
@@ -158,13 +159,14 @@ class CommThread:
                     # server always drains pushes, so a worker holding credit never waits on
                     # another worker (waiting for results would deadlock when orders differ).
                     op.send_done = True
-                    bytes_in_flight -= op.task.nbytes
+                    windows.delivered(op.task.nbytes)
                     progressed = True
                     if op.recv_done:
                         del inflight[id(op)]
                         self._finish(op)
                 for op in recvs.completed():
                     op.recv_done = True
+                    windows.resulted(op.task.nbytes, op.task.order, time.monotonic())
                     progressed = True
                     if op.send_done:
                         del inflight[id(op)]
@@ -198,7 +200,7 @@ class CommThread:
         if self._wake.wait(seconds):
             self._wake.clear()
 
-    def _expand(self, group: Group, policy: SchedulePolicy, ready: list) -> None:
+    def _expand(self, group: Group, policy: SchedulePolicy, ready: ReadyQueue) -> None:
         slots = list(range(len(group.keys)))
         if policy.stagger and self.num_servers > 1 and len(slots) > 1:
             want = self.rank % self.num_servers
@@ -209,9 +211,11 @@ class CommThread:
         if not slots:
             self._complete(group)
             return
+        prio = group.priority if policy.priority else 0
+        number = next(self._seq)  # groups arrive in the same order on every worker
         for slot in slots:
-            prio = group.priority if policy.priority else 0
-            heapq.heappush(ready, (prio, next(self._seq), _Task(group, slot)))
+            task = _Task(group, slot, (prio, number, slot))
+            ready.add(task, task.nbytes, prio, task.order)
 
     def _start(self, task: _Task) -> _InFlight:
         spec = task.group.keys[task.slot]

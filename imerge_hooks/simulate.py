@@ -39,6 +39,9 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   one; head-of-line: the next key waits until it fits); credit returns when a push has been
   delivered to the server. Non-partitioned schedules have no credit limit. A started push is
   queued on its connection (below), so priority reorders only what waits for credit.
+  Partitioned schedules also keep at most ``result_window_bytes`` of pushes whose results
+  have not come back, with the runtime's own :class:`~imerge_hooks.flowcontrol.ReadyQueue`
+  (which may push an earlier key of the order all workers share instead; no backstop timer).
 * **Network: fluid, max-min fair (processor sharing).** Every host has an egress and an
   ingress link of ``bandwidth_Bps`` (workers: push out / pull in; servers: push in / result
   out). A message in flight is a flow through its sender's egress and its receiver's
@@ -46,7 +49,15 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   recomputed whenever a flow starts or ends (like TCP through netlab's shaped ports). Between
   one sender and one receiver messages go in order, one at a time (one MPI connection per
   pair: MPI's non-overtaking rule), so at most one flow per (sender, receiver) pair.
-  No propagation latency (fold it into ``startup_s``). With ``ClusterSpec.fabric_Bps`` every
+  No propagation latency (fold it into ``startup_s``).
+  **Uneven incast sharing** (``ClusterSpec.share_cv > 0``): TCP flows from many senders into one
+  shaped port do not get equal shares; measured on netlab (``benchmarks/netlab/linkmon.py``),
+  the workers' push rates into a saturated server spread with a coefficient of variation of
+  ~0.4 that persists for about a second, while results (one sender, many receivers) share
+  evenly. So every push connection (worker, server) gets a weight, log-normal with mean 1 and
+  that CV, drawn afresh every ``share_period_s`` (deterministic per connection and period,
+  from ``share_seed``), and rates are the *weighted* max-min fair allocation. It matters
+  because a key completes only when its slowest push has arrived. With ``ClusterSpec.fabric_Bps`` every
   flow also crosses one shared link of that rate: an emulated cluster whose hosts share a few
   CPU cores that run all the TCP stacks (netlab on a small VM) moves less than its links allow.
 * **Server.** Each push, once delivered, costs ``startup_s`` of the server's single thread
@@ -72,13 +83,15 @@ import json
 import math
 import numbers
 import os
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import SCHEDULE_TRAITS, SCHEDULES
+from .config import RESULT_WINDOW_BYTES, SCHEDULE_TRAITS, SCHEDULES
 from .costmodel import CostModel, LinearModel, PSModel
+from .flowcontrol import ReadyQueue, SendWindows
 from .planner import Plan, plan
 
 _MiB = 1 << 20
@@ -184,7 +197,9 @@ class ClusterSpec:
     (replay a profile as a faster or slower device). ``fabric_Bps``: optional cap on the sum of
     all flows' rates, a link every flow crosses. None for a real cluster; set it to model an
     emulated one whose hosts share a few CPU cores that run every rank's TCP stack
-    (``benchmarks/netlab/duplex_probe.py`` measures it).
+    (``benchmarks/netlab/duplex_probe.py`` measures it). ``share_cv``/``share_period_s``: how
+    unevenly pushes into one server share its ingress, and for how long a share persists (0: max-min
+    fair; the module doc has the model; ``benchmarks/netlab/linkmon.py`` measures both).
     """
 
     workers: int
@@ -193,6 +208,9 @@ class ClusterSpec:
     startup_s: float
     time_scale: float = 1.0
     fabric_Bps: float | None = None
+    share_cv: float = 0.0
+    share_period_s: float = 1.0
+    share_seed: int = 0
 
     def __post_init__(self) -> None:
         for what in ("workers", "servers"):
@@ -200,7 +218,8 @@ class ClusterSpec:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be an int >= 1, got {v!r}")
             object.__setattr__(self, what, int(v))
-        for what, positive in (("bandwidth_Bps", True), ("startup_s", False), ("time_scale", True)):
+        for what, positive in (("bandwidth_Bps", True), ("startup_s", False), ("time_scale", True),
+                               ("share_cv", False), ("share_period_s", True)):
             v = getattr(self, what)
             ok = (not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
                   and (v > 0 if positive else v >= 0))
@@ -334,7 +353,7 @@ class SimResult:
 
 # ---------------------------------------------------------------------------------- engine
 _FWD, _BWD, _GATE, _FLUSH, _MARK = range(5)
-_EV_COMPUTE, _EV_NET, _EV_CPU = range(3)
+_EV_COMPUTE, _EV_NET, _EV_CPU, _EV_SHARE = range(4)
 
 
 @dataclass(eq=False, slots=True)
@@ -352,13 +371,15 @@ class _Msg:
     start: float = 0.0
     stamp: int = -1
     fid: int = -1
+    weight: float = 1.0  # share of a bottleneck relative to the other flows (uneven incast sharing)
 
 
 @dataclass(slots=True)
 class _Worker:
     ptr: int = 0
-    ready: list = field(default_factory=list)  # heap of (priority, seq, key)
-    in_flight: int = 0  # push bytes not yet delivered
+    ready: ReadyQueue = field(default_factory=ReadyQueue)
+    windows: SendWindows = field(default_factory=lambda: SendWindows(None, None))
+    key_order: dict = field(default_factory=dict)  # key -> its group's shared order (flowcontrol)
     missing: set = field(default_factory=set)  # groups the current gate still waits for
     wait_start: float = 0.0
     op_start: float = 0.0
@@ -376,9 +397,17 @@ class _Sim:
                  group_keys: Sequence[Sequence[int]], key_bytes: Sequence[int], key_server: Sequence[int],
                  workers: int, servers: int, bandwidth: float, startup: float, priority: bool, stagger: bool,
                  credit: int | None, push_after_backward: bool, overlap: bool, iterations: int,
-                 record: bool = True, fabric: float | None = None) -> None:
+                 result_window: int | None = None,
+                 record: bool = True, fabric: float | None = None, share_cv: float = 0.0,
+                 share_period: float = 1.0, share_seed: int = 0) -> None:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
         self.fabric = None if fabric is None else float(fabric)
+        self.share_cv = float(share_cv)
+        self.share_sigma = math.sqrt(math.log1p(share_cv * share_cv))  # of the log-normal weight
+        self.share_period, self.share_seed = float(share_period), int(share_seed)
+        self.share_epoch = 0
+        self.share_weights: dict[tuple[int, int], float] = {}
+        self.share_event_at = math.inf
         self.fwd, self.bwd, self.layer_names = list(fwd), list(bwd), list(layer_names)
         self.layer_tensors = [list(t) for t in layer_tensors]
         self.groups = [list(g) for g in groups]
@@ -416,7 +445,8 @@ class _Sim:
         ops += [(_GATE, 0, iterations), (_MARK, 0, iterations)]
         self.ops = ops
         W = workers
-        self.workers = [_Worker() for _ in range(W)]
+        # No backstop timer in simulated time: flowcontrol's rule alone is deadlock-free.
+        self.workers = [_Worker(windows=SendWindows(credit, result_window, escape_s=math.inf)) for _ in range(W)]
         self.arrived = [[0] * G for _ in range(W)]
         self.pending = [[0] * G for _ in range(W)]
         self.done_round = [[0] * G for _ in range(W)]
@@ -456,6 +486,8 @@ class _Sim:
                 self._compute_done(payload)
             elif code == _EV_NET:
                 self._net_event()
+            elif code == _EV_SHARE:
+                self._new_shares()
             else:
                 self._cpu_done(*payload)
         stuck = [r for r, w in enumerate(self.workers) if w.ptr < len(self.ops)]
@@ -532,23 +564,25 @@ class _Sim:
             self._group_done(r, g)
             return
         self.pending[r][g] = len(keys)
+        slots = list(range(len(keys)))
         if self.stagger and self.S > 1 and len(keys) > 1:
             want = r % self.S
             first = next((i for i, k in enumerate(keys) if self.key_server[k] == want), 0)
-            keys = keys[first:] + keys[:first]
+            slots = slots[first:] + slots[:first]
         prio = self.group_prio[g] if self.priority else 0
-        ready = self.workers[r].ready
-        for k in keys:
-            heapq.heappush(ready, (prio, next(self.seq), k))
+        w = self.workers[r]
+        for slot in slots:
+            k = keys[slot]
+            w.key_order[k] = order = (prio, g, slot)  # groups are submitted in plan order everywhere
+            w.ready.add(k, self.key_bytes[k], prio, order)
         self._pump(r)
 
     def _pump(self, r: int) -> None:
         w = self.workers[r]
-        ready, credit = w.ready, self.credit
-        while ready and (credit is None or w.in_flight == 0 or w.in_flight + self.key_bytes[ready[0][2]] <= credit):
-            _, _, k = heapq.heappop(ready)
+        ready, windows = w.ready, w.windows
+        while ready and (k := ready.take(windows, self.now)) is not None:
             nbytes = self.key_bytes[k]
-            w.in_flight += nbytes
+            windows.started(nbytes, w.key_order[k], self.now)
             s = self.key_server[k]
             self._send(_Msg(True, r, s, k, nbytes, (r, 2 * self.W + s)))
 
@@ -577,8 +611,7 @@ class _Sim:
                 self.timeline.append(Event(self.wtrack[m.worker], f"result {who} from server {m.server}",
                                            m.start, self.now, "pull", m.nbytes))
         if m.push:
-            w = self.workers[m.worker]
-            w.in_flight -= m.nbytes
+            self.workers[m.worker].windows.delivered(m.nbytes)
             self._pump(m.worker)
             s = m.server
             start = max(self.now, self.cpu_free[s])
@@ -589,6 +622,9 @@ class _Sim:
                                            start, end, "update"))
             self._push_event(end, _EV_CPU, (s, m.key, m.worker))
         else:
+            w = self.workers[m.worker]
+            w.windows.resulted(m.nbytes, w.key_order[m.key], self.now)
+            self._pump(m.worker)
             g = self.key_group[m.key]
             left = self.pending[m.worker][g] - 1
             self.pending[m.worker][g] = left
@@ -613,6 +649,11 @@ class _Sim:
 
     def _start_flow(self, m: _Msg) -> None:
         self._net_advance()
+        if m.push and self.share_sigma > 0.0:
+            m.weight = self._share_weight(m.worker, m.server)
+            if self.share_event_at == math.inf:
+                self.share_event_at = (self.share_epoch + 1) * self.share_period
+                self._push_event(self.share_event_at, _EV_SHARE, None)
         m.remaining = float(m.nbytes)
         m.rate = 0.0
         m.start = self.now
@@ -636,6 +677,27 @@ class _Sim:
         for f in done:
             self._delivered(f)
 
+    def _share_weight(self, worker: int, server: int) -> float:
+        w = self.share_weights.get((worker, server))
+        if w is None:
+            w = self.share_weights[(worker, server)] = connection_weight(
+                self.share_cv, self.share_seed, self.share_epoch, worker, server)
+        return w
+
+    def _new_shares(self) -> None:
+        """A share period ended: active pushes get this period's weights (the next event only while pushes flow)."""
+        self._net_advance()
+        self.share_epoch = int(self.now / self.share_period + 1e-9)
+        self.share_weights.clear()
+        pushes = [f for f in self.flows.values() if f.push]
+        for f in pushes:
+            f.weight = self._share_weight(f.worker, f.server)
+        self.net_dirty = True
+        self.share_event_at = math.inf
+        if pushes:
+            self.share_event_at = (self.share_epoch + 1) * self.share_period
+            self._push_event(self.share_event_at, _EV_SHARE, None)
+
     def _reschedule_net(self) -> None:
         self._net_advance()
         self._max_min()
@@ -646,12 +708,13 @@ class _Sim:
             self._push_event(self.now + max(dt, 0.0), _EV_NET, self.net_version)
 
     def _max_min(self) -> None:
-        """Max-min fair rates by progressive filling (every link has capacity B; the optional
-        fabric link, crossed by every flow, has capacity ``fabric``).
+        """Weighted max-min fair rates by progressive filling (every link has capacity B; the
+        optional fabric link, crossed by every flow, has capacity ``fabric``).
 
-        Each round finds the smallest fair share (remaining capacity / unfrozen flows) over
-        the links and freezes every flow of every link at that share; symmetric workers make
-        many links tie, so a handful of rounds suffice.
+        Each round finds the smallest share per unit of weight (remaining capacity / unfrozen
+        flows' weight) over the links and freezes every flow of every link at that level
+        (rate = weight x level); symmetric workers make many links tie, so a handful of rounds
+        suffice. With all weights 1 this is plain max-min fairness.
         """
         flows = self.flows
         if not flows:
@@ -671,26 +734,41 @@ class _Sim:
             members[_FABRIC] = list(flows.values())
             cap[_FABRIC] = self.fabric
         count = {link: len(lst) for link, lst in members.items()}
+        weight = {link: sum(f.weight for f in lst) for link, lst in members.items()}
         live = list(members)
         while live:
-            share = min(cap[link] / count[link] for link in live)
-            limit = share * (1.0 + 1e-12)
-            for link in [link for link in live if cap[link] / count[link] <= limit]:
+            level = min(cap[link] / weight[link] for link in live)
+            limit = level * (1.0 + 1e-12)
+            for link in [link for link in live if cap[link] / weight[link] <= limit]:
                 if count[link] == 0:
                     continue
                 for f in members[link]:
                     if f.stamp == stamp:
                         continue
                     f.stamp = stamp
-                    f.rate = share
+                    f.rate = rate = level * f.weight
                     for other in (f.links + _FABRIC_LINKS if self.fabric is not None else f.links):
-                        left = cap[other] - share
+                        left = cap[other] - rate
                         cap[other] = left if left > 0.0 else 0.0
                         count[other] -= 1
+                        weight[other] -= f.weight
             live = [link for link in live if count[link] > 0]
+            for link in live:  # rounding must not leave a live link with no weight
+                if weight[link] <= 0.0:
+                    weight[link] = sum(f.weight for f in members[link] if f.stamp != stamp)
         for f in flows.values():  # a flow squeezed to zero by rounding must still progress
             if f.rate <= 0.0:
                 f.rate = self.B * 1e-9
+
+
+def connection_weight(cv: float, seed: int, epoch: int, worker: int, server: int) -> float:
+    """The share weight of push connection (worker, server) in share period ``epoch``: log-normal
+    with mean 1 and coefficient of variation ``cv``, the same for the same arguments."""
+    if cv <= 0.0:
+        return 1.0
+    sigma2 = math.log1p(cv * cv)
+    rng = random.Random(((seed * 1_000_003 + epoch) * 65_537 + worker) * 4099 + server)
+    return math.exp(math.sqrt(sigma2) * rng.gauss(0.0, 1.0) - 0.5 * sigma2)
 
 
 # ---------------------------------------------------------------------------------- layout
@@ -725,13 +803,16 @@ def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_byt
 
 def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInfo], group_keys, cluster: ClusterSpec,
               priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
+              result_window: int | None = None,
               iterations: int, record: bool) -> _Sim:
     return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
                 group_keys=group_keys, key_bytes=[k.nbytes for k in keys], key_server=[k.server for k in keys],
                 workers=cluster.workers, servers=cluster.servers, bandwidth=cluster.bandwidth_Bps,
                 startup=cluster.startup_s, priority=priority, stagger=stagger, credit=credit,
+                result_window=result_window,
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
-                fabric=cluster.fabric_Bps)
+                fabric=cluster.fabric_Bps, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
+                share_seed=cluster.share_seed)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -767,7 +848,7 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
 
 def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: list[int], sizes: list[int],
                    ready_at: list[float], cost_model: CostModel, *, partition_bytes: int, credit_bytes: int,
-                   overlap_forward: bool | None, iterations: int) -> Plan:
+                   result_window_bytes: int | None, overlap_forward: bool | None, iterations: int) -> Plan:
     """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
     from .plansearch import candidate_plans, searched_plan
 
@@ -776,7 +857,8 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
 
     def score(cand: list[list[int]], partition: int) -> float:
         return simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
-                        partition_bytes=partition, credit_bytes=credit_bytes, overlap_forward=overlap_forward,
+                        partition_bytes=partition, credit_bytes=credit_bytes,
+                        result_window_bytes=result_window_bytes, overlap_forward=overlap_forward,
                         iterations=iterations).iteration_s
 
     return searched_plan(candidate_plans(sizes_r, ready_r, cost_model), score, sizes_r, ready_r, cost_model,
@@ -800,7 +882,8 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = 4 * _MiB,
-             credit_bytes: int = 8 * _MiB, fusion_threshold_bytes: int = 25 * _MiB,
+             credit_bytes: int = 8 * _MiB, result_window_bytes: int | None = RESULT_WINDOW_BYTES,
+             fusion_threshold_bytes: int = 25 * _MiB,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
              plan_search: bool = True) -> SimResult:
@@ -808,7 +891,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
     (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
-    ``partition_bytes``/``credit_bytes`` matter for partitioned schedules (priority, imerge),
+    ``partition_bytes``/``credit_bytes``/``result_window_bytes`` (None: no window) matter for
+    partitioned schedules (priority, imerge),
     ``fusion_threshold_bytes`` for ``threshold``. ``cost_model``: what the planner of
     mgwfbp/adaptive-ps/imerge uses (anything with ``.time(nbytes)``); None: the
     :func:`calibrate_model` of ``cluster``. ``overlap_forward``: as ``Config.overlap_forward``
@@ -864,6 +948,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         if traits.planner == "optimal" and plan_search and len(sizes) > 1:
             plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, planner_model,
                                          partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                                         result_window_bytes=result_window_bytes,
                                          overlap_forward=overlap_forward, iterations=iterations)
         else:
             plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], planner_model,
@@ -876,6 +961,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
                     priority=traits.priority, stagger=traits.stagger,
                     credit=credit_bytes if traits.partition else None,
+                    result_window=result_window_bytes if traits.partition else None,
                     push_after_backward=traits.push_after_backward,
                     overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
                     iterations=iterations, record=timeline)

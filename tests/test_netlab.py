@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from benchmarks.netlab import netlab as nl
+from benchmarks.netlab.linkmon import LinkMonitor
 
 PREFIX = "imlabpytest"  # distinct from the default "imlab" used by benchmarks
 
@@ -55,7 +56,13 @@ def test_pingpong_is_rate_limited_and_uses_veth():
     limit_MBps = 100e6 / 8 / 1e6  # 100mbit -> 12.5 MB/s
     try:
         nl.up(hosts=2, bandwidth="100mbit", prefix=PREFIX)
-        res = nl.pingpong(hosts=2, prefix=PREFIX, mib=8, iters=2, bidir=False, timeout=60)
+        with LinkMonitor(2, PREFIX, interval_s=0.05) as monitor:
+            res = nl.pingpong(hosts=2, prefix=PREFIX, mib=8, iters=2, bidir=False, timeout=60)
+        # the switch ports saw it too: host 0 uploaded (port rx) what host 1 downloaded (port tx)
+        assert len(monitor.samples) >= 3 and monitor.errors == 0
+        (_, first), (_, last) = monitor.samples[0], monitor.samples[-1]
+        assert last[0][0] - first[0][0] >= res["bytes"] * res["iters"]
+        assert last[1][1] - first[1][1] >= res["bytes"] * res["iters"]
         ratio = res["MBps_0to1"] / limit_MBps
         assert 0.3 < ratio < 2.0, f"measured {res['MBps_0to1']:.1f} MB/s vs limit {limit_MBps} MB/s"
         # the bytes really crossed the emulated NIC (warm-up + timed rounds)

@@ -284,3 +284,61 @@ def test_stored_profiles_simulate():
         res = simulate(model, cluster, schedule, iterations=2, timeline=False)
         assert res.iteration_s >= compute * (1 - 1e-9)
         assert sorted(i for g in res.groups for i in g) == list(range(len(model.tensor_bytes)))
+
+
+# ------------------------------------------------------------------------------ uneven incast sharing
+def test_connection_weights_are_lognormal_with_mean_one_and_the_asked_cv():
+    from statistics import fmean, pstdev
+
+    from imerge_hooks.simulate import connection_weight
+
+    ws = [connection_weight(0.5, 0, epoch, worker, server)
+          for epoch in range(200) for worker in range(8) for server in range(2)]
+    assert fmean(ws) == pytest.approx(1.0, abs=0.05)
+    assert pstdev(ws) == pytest.approx(0.5, abs=0.06)
+    assert connection_weight(0.5, 0, 3, 1, 0) == connection_weight(0.5, 0, 3, 1, 0)  # deterministic
+    assert connection_weight(0.5, 1, 3, 1, 0) != connection_weight(0.5, 0, 3, 1, 0)  # the seed matters
+    assert connection_weight(0.0, 0, 3, 1, 0) == 1.0
+
+
+def test_uneven_incast_sharing_hand_checked():
+    """Two workers push 1 MiB into one server with weights w0, w1 (one share period for the whole run).
+
+    Worker a (the larger weight) gets B*wa/(wa+wb) and is delivered at t_a = X*(wa+wb)/wa; then the
+    other gets the whole ingress, so the last push still lands at 2X (the link never idles). The
+    server sums push a while push b still streams in, so the key completes at 2X + one startup
+    (fair sharing delivers both at 2X: two startups in a row). Results share the egress evenly.
+    """
+    from imerge_hooks.simulate import connection_weight
+
+    startup = 0.1e-3
+    cv, seed = 0.8, 3
+    w = [connection_weight(cv, seed, 0, r, 0) for r in range(2)]
+    assert max(w) / min(w) > 1.2  # a seed whose shares differ clearly
+    t_first = X * sum(w) / max(w)
+    assert t_first + startup < 2 * X
+    cluster = ClusterSpec(2, 1, B, startup, share_cv=cv, share_period_s=100.0, share_seed=seed)
+    res = simulate(one_layer(), cluster, "wfbp", iterations=1)
+    assert res.iteration_s == approx(3e-3 + 2 * X + startup + 2 * X)
+    pushes = [e.end - e.start for r in range(2) for e in res.events("push", f"worker {r}")]
+    assert sorted(pushes) == [approx(t_first), approx(2 * X)]
+    assert pushes[w.index(max(w))] == approx(t_first)
+    assert [e.end - e.start for r in range(2) for e in res.events("pull", f"worker {r}")] == [approx(2 * X)] * 2
+    fair = simulate(one_layer(), ClusterSpec(2, 1, B, startup), "wfbp", iterations=1)
+    assert fair.iteration_s == approx(3e-3 + 2 * X + 2 * startup + 2 * X)
+
+
+def test_uneven_sharing_slows_many_keys_and_zero_cv_is_max_min_fair():
+    """Many keys per server, shares that persist for about an iteration: a key waits for its
+    slowest push, so results trail the pushes (with shares redrawn very often it averages out)."""
+    model = ModelSpec([LayerSpec(f"l{i}", [4 * MiB], 1e-3, 2e-3) for i in range(8)], batch_size=8)
+    fair = simulate(model, ClusterSpec(8, 2, B, 1e-5), "imerge", plan_search=False)
+    zero = simulate(model, ClusterSpec(8, 2, B, 1e-5, share_cv=0.0), "imerge", plan_search=False)
+    uneven = simulate(model, ClusterSpec(8, 2, B, 1e-5, share_cv=0.6, share_period_s=0.1),
+                      "imerge", plan_search=False)
+    assert zero.iteration_s == fair.iteration_s
+    assert uneven.iteration_s > 1.05 * fair.iteration_s
+    with pytest.raises(ValueError, match="share_cv"):
+        ClusterSpec(2, 1, B, 0.0, share_cv=-0.1)
+    with pytest.raises(ValueError, match="share_period_s"):
+        ClusterSpec(2, 1, B, 0.0, share_period_s=0.0)

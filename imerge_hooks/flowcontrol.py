@@ -1,0 +1,141 @@
+"""Which push a worker starts next: schedule order, the credit and the result window.
+
+* **Credit** bounds the bytes pushed but not yet *delivered* to their server. It keeps
+  preemption cheap: a push that has started is queued on its MPI connection, so priority can
+  only reorder what still waits for credit.
+* **Result window** bounds the bytes pushed whose *result* has not come back. A key's result
+  leaves the server only when the slowest worker has pushed it, and TCP shares a server's
+  ingress unevenly among the workers (measured on netlab: push rates spread with a CV of
+  ~0.4 for about a second). Without this window the favoured workers run ahead, the server's
+  ingress fills with pushes of keys that cannot complete yet, and its egress idles until a
+  burst of results at the end of the push phase. With it, a worker that is a window ahead
+  waits and its share of the ingress goes to the workers it waits for. It is off by default
+  (``Config.result_window_bytes``): measured on netlab with the plan held fixed (AlexNet,
+  W=8, 16 MiB, ``benchmarks/run.py --alternate result_window_bytes=none``) it changed the
+  iteration time by less than the noise.
+
+Waiting for other workers' pushes could deadlock, because workers push keys in different
+orders (stagger rotates each group's keys per worker; priority preemption depends on timing).
+It cannot here. Every key has a place in an order all workers share: its group's (priority,
+submission) order, then its slot in the group. When the window is full, a worker may still push
+the earliest ready key in that shared order if it comes before some key it already waits on.
+Take the earliest key, in the shared order, that some worker has not pushed. Every key that
+worker waits on comes later (an earlier one has been pushed by everyone, so its result comes),
+and that key is the earliest in its ready queue, so it may go. ``escape_s`` is a backstop all
+the same: after that long without a result, one more push goes out, with a warning.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from collections import Counter
+from typing import Any
+
+log = logging.getLogger("imerge")
+
+SharedOrder = tuple[int, int, int]  # (group priority or 0, group submission number, slot)
+
+
+class SendWindows:
+    """Credit and result window of one worker (``None``: no limit)."""
+
+    def __init__(self, credit_bytes: int | None, result_window_bytes: int | None, escape_s: float = 1.0,
+                 who: str = "") -> None:
+        self.credit = credit_bytes
+        self.window = result_window_bytes
+        self.escape_s = escape_s
+        self.who = who
+        self.in_flight = 0  # pushed, not yet delivered
+        self.awaiting = 0  # pushed, result not yet here
+        self._awaited: Counter = Counter()  # shared order -> keys awaiting a result
+        self._last_result = 0.0
+        self.escapes = 0  # pushes let out by the backstop (should stay 0)
+
+    def configure(self, credit_bytes: int | None, result_window_bytes: int | None) -> None:
+        self.credit, self.window = credit_bytes, result_window_bytes
+
+    def credit_allows(self, nbytes: int) -> bool:
+        return self.credit is None or not self.in_flight or self.in_flight + nbytes <= self.credit
+
+    def window_allows(self, nbytes: int) -> bool:
+        return self.window is None or not self.awaiting or self.awaiting + nbytes <= self.window
+
+    def waits_on_later_key(self, order: SharedOrder) -> bool:
+        """Some key this worker awaits comes after ``order`` in the shared order (module doc)."""
+        return bool(self._awaited) and order < max(self._awaited)
+
+    def backstop(self, now: float) -> bool:
+        if now - self._last_result < self.escape_s:
+            return False
+        self.escapes += 1
+        self._last_result = now
+        log.warning("IMerge%s: no result for %.1f s while the result window (%d bytes awaiting) was full; one "
+                    "more push goes out (backstop, %d so far)", self.who, self.escape_s, self.awaiting, self.escapes)
+        return True
+
+    def started(self, nbytes: int, order: SharedOrder, now: float) -> None:
+        if not self.awaiting:
+            self._last_result = now  # the backstop counts from the first push out
+        self.in_flight += nbytes
+        self.awaiting += nbytes
+        self._awaited[order] += 1
+
+    def delivered(self, nbytes: int) -> None:
+        self.in_flight -= nbytes
+
+    def resulted(self, nbytes: int, order: SharedOrder, now: float) -> None:
+        self.awaiting -= nbytes
+        self._last_result = now
+        left = self._awaited[order] - 1
+        if left:
+            self._awaited[order] = left
+        else:
+            del self._awaited[order]
+
+
+class ReadyQueue:
+    """Keys waiting to be pushed, in schedule order (priority or FIFO) and in the shared order."""
+
+    def __init__(self) -> None:
+        self._schedule: list[list] = []  # [priority, seq, entry]
+        self._shared: list[list] = []  # [shared order, seq, entry]
+        self._seq = itertools.count()
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, item: Any, nbytes: int, priority: int, order: SharedOrder) -> None:
+        entry = [item, nbytes, order, False]  # the flag: taken (lazy deletion from the other heap)
+        seq = next(self._seq)
+        heapq.heappush(self._schedule, [priority, seq, entry])
+        heapq.heappush(self._shared, [order, seq, entry])
+        self._count += 1
+
+    def take(self, windows: SendWindows, now: float) -> Any:
+        """The next key to push now, or None: the schedule's next, unless the result window holds it
+        back, then the earliest key in the shared order if the worker waits on a later one."""
+        head = _top(self._schedule)
+        if head is None or not windows.credit_allows(head[1]):
+            return None
+        if windows.window_allows(head[1]):
+            return self._pop(head)
+        first = _top(self._shared)
+        if windows.waits_on_later_key(first[2]) and windows.credit_allows(first[1]):
+            return self._pop(first)
+        if windows.backstop(now):
+            return self._pop(head)
+        return None
+
+    def _pop(self, entry: list) -> Any:
+        entry[3] = True
+        self._count -= 1
+        return entry[0]
+
+
+def _top(heap: list[list]) -> list | None:
+    while heap and heap[0][2][3]:
+        heapq.heappop(heap)
+    return heap[0][2] if heap else None
