@@ -739,6 +739,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{estimate_peak_memory(j.nbytes, j.workers, S, args.share_params) / 1e9:.1f} GB  "
                       f"{','.join(j.schedules)}")
             return 0
+        held = nl.exclusive(args.prefix)  # a second run.py on this lab would take it down under us
+        try:
+            held.__enter__()
+        except nl.NetlabError as exc:
+            log(f"netlab: {exc}")
+            return 2
         current_hosts = None
         spent_est = 0.0
         try:
@@ -800,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
                 save()
         finally:
             nl.down(prefix=args.prefix)
+            held.__exit__(None, None, None)
 
     # ------------------------------------------------------------------ calibration + simulation
     psmodels = {w: m for w in sorted(set(args.workers) | set(args.sim_workers))

@@ -16,6 +16,7 @@ from benchmarks.netlab import netlab as nl
 from benchmarks.netlab.linkmon import LinkMonitor
 
 PREFIX = "imlabpytest"  # distinct from the default "imlab" used by benchmarks
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_parse_rate():
@@ -73,3 +74,25 @@ def test_pingpong_is_rate_limited_and_uses_veth():
     finally:
         nl.down(prefix=PREFIX)
     assert nl.list_namespaces(PREFIX) == []
+
+
+def test_a_lab_held_by_one_run_refuses_a_second(tmp_path):
+    """Two benchmark runs on one lab prefix: the second fails at once and names the first."""
+    import subprocess
+
+    prefix = "imlabexcl"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]);"
+         "from benchmarks.netlab import netlab as nl\n"
+         "with nl.exclusive(sys.argv[2]):\n print('held', flush=True); time.sleep(30)",
+         str(REPO), prefix], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(nl.NetlabError, match=rf"lab '{prefix}' is in use by pid {holder.pid}"):
+            with nl.exclusive(prefix):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with nl.exclusive(prefix):  # free again once the holder is gone
+        pass

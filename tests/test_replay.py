@@ -170,3 +170,21 @@ def test_profiles_on_disk_are_labelled():
         model, tag = path.stem.rsplit("-", 1)
         assert prof["model"] == model
         assert prof["device"].split(":", 1)[0] == tag
+
+
+def test_alternate_policies_for_an_ab_in_one_plan():
+    """worker_replay --alternate: (A, B) policies, B with the named fields changed; only
+    partitioned schedules (they have a credit) alternate; unknown fields are refused."""
+    from types import SimpleNamespace
+
+    from benchmarks.worker_replay import _ab_policies
+    from imerge_hooks.scheduler import SchedulePolicy
+
+    engine = SimpleNamespace(policy=SchedulePolicy(priority=True, stagger=True, credit_bytes=8 << 20))
+    a, b = _ab_policies(engine, "result_window_bytes=16777216,credit_bytes=none")
+    assert a == vars(engine.policy) and a["result_window_bytes"] is None
+    assert b == {**a, "result_window_bytes": 16 << 20, "credit_bytes": None}
+    assert _ab_policies(engine, None) is None
+    assert _ab_policies(SimpleNamespace(policy=SchedulePolicy()), "credit_bytes=1") is None  # not partitioned
+    with pytest.raises(SystemExit, match="no field 'window'"):
+        _ab_policies(engine, "window=1")

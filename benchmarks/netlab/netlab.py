@@ -228,6 +228,36 @@ def _lock(prefix: str) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def exclusive(prefix: str = DEFAULT_PREFIX) -> Iterator[None]:
+    """Hold lab ``prefix`` for one benchmark run: a second holder fails at once, naming the first.
+
+    ``up``/``down`` only serialise each other; a benchmark that takes the lab down in its
+    ``finally`` while another one runs on it kills the other's ranks. Raises NetlabError.
+    """
+    import fcntl
+
+    lockdir = Path("/run") if os.access("/run", os.W_OK) else Path("/tmp")
+    path = lockdir / f"netlab-{prefix}.inuse"
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise NetlabError(f"lab {prefix!r} is in use by {holder}; wait for it or use another prefix") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}: {' '.join(sys.argv)[:200]}\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fh.seek(0)
+            fh.truncate()
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
 # --------------------------------------------------------------------------
 # environment checks
 # --------------------------------------------------------------------------
