@@ -132,6 +132,10 @@ class ReadyQueue:
     def _pop(self, entry: list) -> Any:
         entry[3] = True
         self._count -= 1
+        for heap in (self._schedule, self._shared):  # drop taken entries now and then (lazy deletion)
+            if len(heap) > 2 * self._count + 64:
+                heap[:] = [e for e in heap if not e[2][3]]
+                heapq.heapify(heap)
         return entry[0]
 
 

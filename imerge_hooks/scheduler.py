@@ -124,7 +124,7 @@ class CommThread:
         # Pushes to one server complete in order; results come back roughly in push order.
         sends = PendingRequests(window=4 * self.num_servers)
         recvs = PendingRequests(window=8 * self.num_servers)
-        windows = self.windows = SendWindows(None, None, who=f" worker {self.rank}")
+        windows = SendWindows(None, None, who=f" worker {self.rank}")
         backoff = Backoff(sleep=self._nap)
         last_check = time.monotonic()
         try:
@@ -156,8 +156,8 @@ class CommThread:
                 # 3. complete what finished: one progress call per kind (PendingRequests)
                 for op in sends.completed():
                     # Credit comes back when the push is delivered, not when the result is: the
-                    # server always drains pushes, so a worker holding credit never waits on
-                    # another worker (waiting for results would deadlock when orders differ).
+                    # server always drains pushes, so credit never waits on another worker (the
+                    # result window does, with the rule in flowcontrol that keeps it deadlock-free).
                     op.send_done = True
                     windows.delivered(op.task.nbytes)
                     progressed = True

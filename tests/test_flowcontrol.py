@@ -50,6 +50,15 @@ def test_schedule_order_rules_while_the_window_has_room():
     assert [q.take(w, 0.0), q.take(w, 0.0), q.take(w, 0.0)] == ["front", "late", None]
 
 
+def test_taken_entries_do_not_pile_up():
+    w = SendWindows(credit_bytes=None, result_window_bytes=None)
+    q = ReadyQueue()
+    for i in range(10_000):
+        q.add(i, 1, 0, (0, i, 0))
+        assert q.take(w, 0.0) == i
+    assert len(q) == 0 and len(q._shared) < 100 and len(q._schedule) < 100
+
+
 def test_credit_is_head_of_line():
     w = SendWindows(credit_bytes=8, result_window_bytes=None)
     w.started(6, (0, 0, 0), 0.0)
