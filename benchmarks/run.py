@@ -570,6 +570,8 @@ def parse_args(argv: list[str] | None):
                     help="give every worker its own parameter memory (default: one shared mapping, saves RAM)")
     ap.add_argument("--max-load", type=float, default=None,
                     help="before each launch wait (up to 15 min) until the 1-min load average is below this")
+    ap.add_argument("--isolate-above-mb", type=float, default=300.0,
+                    help="models with more gradient MB than this run one schedule per launch (RAM)")
     ap.add_argument("--mem-wait", type=float, default=300.0, help="seconds to wait for free RAM before skipping")
     ap.add_argument("--mem-fraction", type=float, default=0.95,
                     help="run a launch only if its estimated peak RAM is below this fraction of MemAvailable "
@@ -723,13 +725,16 @@ def main(argv: list[str] | None = None) -> int:
                 iters = max(args.iters, min(args.max_iters, math.ceil(args.min_timed_s / statistics.median(
                     sim_t[s] for s in todo))))
                 # launch (W+S Python processes importing torch on few cores) + the one-worker baseline
-                est = 20.0 + 3.0 * (W + S) + (args.warmup + iters) * facts[m]["compute_s"]
-                for s in todo:
-                    est += ((args.warmup + iters) * sim_t[s]
-                            + (args.profile_steps * sim_t["wfbp"] if s in PLANNED else 0))
-                job = Job(m, W, todo, est, facts[m]["bytes"])
-                job.iters = iters
-                jobs.append(job)
+                launch_s = 20.0 + 3.0 * (W + S) + (args.warmup + iters) * facts[m]["compute_s"]
+                run_s = {s: (args.warmup + iters) * sim_t[s] + (args.profile_steps * sim_t["wfbp"] if s in PLANNED
+                                                                 else 0) for s in todo}
+                # Big models: one launch per schedule. The ranks' memory then starts afresh for each
+                # schedule; seven schedules in one VGG-16 launch at W=8 ran this 24 GB machine out of RAM.
+                isolate = facts[m]["bytes"] > args.isolate_above_mb * 1e6
+                for part in ([[s] for s in todo] if isolate else [todo]):
+                    job = Job(m, W, part, launch_s + sum(run_s[s] for s in part), facts[m]["bytes"])
+                    job.iters = iters
+                    jobs.append(job)
         total_est = sum(j.estimate_s for j in jobs)
         log(f"{len(jobs)} launches; estimated {fmt_s(total_est)} of measurement (simulator-based estimate; "
             "calibration and a loaded CPU add to it)")
