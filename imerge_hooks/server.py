@@ -12,6 +12,7 @@ import heapq
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,17 @@ log = logging.getLogger("imerge")
 
 
 @dataclass
+class _Receive:
+    """A matched push streaming into its key's buffers."""
+
+    request: MPI.Request
+    source: int
+    nbytes: int
+    first: bool  # the round's first push: it lands in ``acc`` (or ``wire``, then scaled into ``acc``)
+    started: float
+
+
+@dataclass
 class _KeyState:
     spec: KeySpec
     wire: torch.Tensor  # receive scratch, wire dtype
@@ -47,6 +59,8 @@ class _KeyState:
     first_push_at: float = 0.0
     warned: bool = False
     sends: list = field(default_factory=list)
+    receiving: _Receive | None = None  # the push being received into this key's buffers
+    held: deque = field(default_factory=deque)  # matched pushes of this key waiting for it
     wire_buf: list = field(default_factory=list)  # MPI views of wire / acc / out, built once
     acc_buf: list = field(default_factory=list)
     out_buf: list = field(default_factory=list)
@@ -78,6 +92,10 @@ class Server:
         # Result sends in flight, owned by their key's state; this also keeps the buffers of keys
         # that a new plan epoch dropped alive until their last result has gone out.
         self._sending = PendingRequests(window=2 * self.workers)
+        # Pushes being received, one per key at a time (a key has one scratch buffer); other keys'
+        # pushes are matched and received meanwhile, so one slow push does not hold up the rest.
+        self._receiving = PendingRequests(window=4 * self.workers)
+        self._in_flight: dict[int, _KeyState] = {}  # key -> state, while a push is being received
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
         self._delayed: list[tuple[float, int, list[int]]] = []
@@ -95,6 +113,8 @@ class Server:
         while True:
             if self._delayed:
                 self._send_due()
+            if self._in_flight:
+                self._progress_receives()
             msg = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if msg is None:
                 self._progress_sends()
@@ -109,6 +129,7 @@ class Server:
             if tag >= KEY_TAG_BASE:
                 self._on_push(msg, source, tag - KEY_TAG_BASE, status.Get_count(MPI.BYTE))
                 continue
+            self._drain_receives()  # control messages see every push before them handled
             raw = bytearray(status.Get_count(MPI.BYTE))
             msg.Recv([raw, MPI.BYTE])
             request = MPI.pickle.loads(raw)
@@ -144,6 +165,7 @@ class Server:
         return all(self._stage_ends[w] > self._stages or w in self._shut for w in range(self.workers))
 
     def _finish(self, why: str) -> None:
+        self._drain_receives()
         self._wait_sends()
         partial = [k for k in self.keys.values() if k.count]
         for k in partial:
@@ -196,7 +218,7 @@ class Server:
         elif nbytes != state.spec.nbytes:
             problem = (f"IMerge server {self.index}: worker {source} pushed {nbytes} bytes for "
                        f"{state.spec.describe()}, expected {state.spec.nbytes}")
-        elif source in state.arrived:
+        elif source in state.arrived or source in _matched_sources(state):
             problem = (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} twice "
                        "in one round")
         if problem is not None:
@@ -205,49 +227,70 @@ class Server:
             for worker in range(self.workers):
                 self.comm.send({"op": "error", "message": problem}, dest=worker, tag=TAG_ERROR)
             return
-        # The server sends the average: each push is scaled by 1/W as it is added, so workers
-        # use the result as it arrives (no pass over the gradients on the worker).
-        scale = 1.0 / self.workers
-        if state.count == 0:
+        if state.receiving is not None:
+            state.held.append((msg, source, nbytes))
+            return
+        self._start_receive(state, msg, source, nbytes)
+
+    def _start_receive(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
+        first = state.count == 0
+        if first:
             self._wait_key_sends(state)
             state.first_push_at = time.monotonic()
             state.warned = False
+        into_acc = first and state.acc.dtype == state.wire.dtype
+        request = msg.Irecv(state.acc_buf if into_acc else state.wire_buf)
+        state.receiving = _Receive(request, source, nbytes, first, time.monotonic())
+        self._in_flight[state.spec.key] = state
+        self._receiving.add(request, state)
+
+    def _progress_receives(self, full: bool | None = None) -> None:
+        """Add the pushes that have arrived (one progress call) and start held ones."""
+        for state in self._receiving.completed(full):
+            self._received(state)
+
+    def _received(self, state: _KeyState) -> None:
+        """A push is in: add it (the server sends the average: each push is scaled by 1/W as it
+        is added, so workers use the result as it arrives)."""
+        done, state.receiving = state.receiving, None
+        del self._in_flight[state.spec.key]
+        scale = 1.0 / self.workers
+        if done.first:
             if state.acc.dtype == state.wire.dtype:
-                self._receive(msg, state.acc_buf, source, state.spec)
                 if self.workers > 1:
                     state.acc.mul_(scale)
             else:
-                self._receive(msg, state.wire_buf, source, state.spec)
                 torch.mul(state.wire, scale, out=state.acc)
         else:
-            self._receive(msg, state.wire_buf, source, state.spec)
             state.acc.add_(state.wire, alpha=scale)
         state.count += 1
-        state.arrived.add(source)
+        state.arrived.add(done.source)
         self.pushes += 1
-        self.bytes_in += nbytes
+        self.bytes_in += done.nbytes
         if state.count == self.workers - len(self.joined - state.arrived):
             self._complete(state)
+        if state.held:
+            self._start_receive(state, *state.held.popleft())
 
-    def _receive(self, msg: MPI.Message, buf, source: int, spec: KeySpec) -> None:
-        """Receive a matched push, sleeping between polls instead of spinning.
-
-        A push is matched when its first bytes arrive; the rest streams in at the link's pace.
-        A blocking ``Recv`` would busy-wait for all of it, taking CPU from the ranks that share
-        this host's cores (and from the TCP stack that is delivering the bytes).
-        """
-        request = msg.Irecv(buf)
-        if request.Test():
-            return
+    def _drain_receives(self) -> None:
+        """Finish every push matched so far (held ones included)."""
         deadline = time.monotonic() + self.cfg.timeout_s
         backoff = Backoff()
-        while not request.Test():
+        while self._in_flight:
+            before = len(self._in_flight), self.pushes
+            self._progress_receives(full=True)
+            if (len(self._in_flight), self.pushes) != before:
+                backoff.reset()
+                continue
             if time.monotonic() > deadline:
-                log.error("IMerge server %d: the push of %s from worker %d did not finish arriving within "
-                          "%.0f s (timeout_s): aborting the job", self.index, spec.describe(), source,
-                          self.cfg.timeout_s)
-                MPI.COMM_WORLD.Abort(3)
+                self._abort_slow_receive(min(self._in_flight.values(), key=lambda st: st.receiving.started))
             backoff.idle()
+
+    def _abort_slow_receive(self, state: _KeyState) -> None:
+        r = state.receiving
+        log.error("IMerge server %d: the push of %s from worker %d did not finish arriving within %.0f s "
+                  "(timeout_s): aborting the job", self.index, state.spec.describe(), r.source, self.cfg.timeout_s)
+        MPI.COMM_WORLD.Abort(3)
 
     def _complete(self, state: _KeyState) -> None:
         """Every worker that still trains has pushed: send the average (rescaled if some joined)."""
@@ -315,6 +358,9 @@ class Server:
             self._wait_key_sends(state)
 
     def _check_stalls(self, now: float) -> None:
+        for state in list(self._in_flight.values()):
+            if now - state.receiving.started > self.cfg.timeout_s:
+                self._abort_slow_receive(state)
         for state in self.keys.values():
             if state.count and now - state.first_push_at > self.cfg.timeout_s:
                 missing = sorted(set(range(self.workers)) - state.arrived)
@@ -328,6 +374,12 @@ class Server:
                 log.warning("IMerge server %d: %s has waited %.0f s for worker(s) %s (tensors: %s)",
                             self.index, state.spec.describe(), now - state.first_push_at, missing,
                             ", ".join(state.spec.names))
+
+
+def _matched_sources(state: _KeyState) -> set[int]:
+    """Workers whose push of this key is matched but not yet added (being received, or held)."""
+    held = {source for _, source, _ in state.held}
+    return held | {state.receiving.source} if state.receiving is not None else held
 
 
 def _compare_tables(regs: dict[int, dict], server: int) -> str | None:
