@@ -291,9 +291,7 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
     W, S = job.workers, args.servers
     hosts = W + S
     counters0 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
-    monitor = LinkMonitor(hosts, args.prefix, interval_s=args.link_monitor) if args.link_monitor > 0 else None
-    if monitor is not None:
-        monitor.__enter__()
+    monitor = LinkMonitor(hosts, args.prefix, interval_s=args.link_monitor).start() if args.link_monitor > 0 else None
     load0, t0, t_mono0 = loadavg(), time.perf_counter(), time.monotonic()
     timeout = args.job_timeout or max(300.0, 3.0 * job.estimate_s + 240.0)
     results: list[dict] = []
@@ -333,7 +331,7 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
     wall = time.perf_counter() - t0
     links = None
     if monitor is not None:
-        monitor.__exit__(None, None, None)
+        monitor.stop()
         (log_dir / f"{tag}.links.json").write_text(json.dumps(monitor.samples))
         links = summarize_links(monitor.samples, W, S, args.bandwidth_Bps * GOODPUT)
         links["raw"] = str(log_dir / f"{tag}.links.json")

@@ -244,10 +244,12 @@ class Server:
         self._in_flight[state.spec.key] = state
         self._receiving.add(request, state)
 
-    def _progress_receives(self, full: bool | None = None) -> None:
-        """Add the pushes that have arrived (one progress call) and start held ones."""
-        for state in self._receiving.completed(full):
+    def _progress_receives(self, full: bool | None = None) -> int:
+        """Add the pushes that have arrived (one progress call) and start held ones; how many."""
+        arrived = self._receiving.completed(full)
+        for state in arrived:
             self._received(state)
+        return len(arrived)
 
     def _received(self, state: _KeyState) -> None:
         """A push is in: add it (the server sends the average: each push is scaled by 1/W as it
@@ -274,23 +276,23 @@ class Server:
 
     def _drain_receives(self) -> None:
         """Finish every push matched so far (held ones included)."""
-        deadline = time.monotonic() + self.cfg.timeout_s
         backoff = Backoff()
         while self._in_flight:
-            before = len(self._in_flight), self.pushes
-            self._progress_receives(full=True)
-            if (len(self._in_flight), self.pushes) != before:
+            if self._progress_receives(full=True):
                 backoff.reset()
                 continue
-            if time.monotonic() > deadline:
-                self._abort_slow_receive(min(self._in_flight.values(), key=lambda st: st.receiving.started))
+            self._abort_late_receives(time.monotonic())
             backoff.idle()
 
-    def _abort_slow_receive(self, state: _KeyState) -> None:
-        r = state.receiving
-        log.error("IMerge server %d: the push of %s from worker %d did not finish arriving within %.0f s "
-                  "(timeout_s): aborting the job", self.index, state.spec.describe(), r.source, self.cfg.timeout_s)
-        MPI.COMM_WORLD.Abort(3)
+    def _abort_late_receives(self, now: float) -> None:
+        """Abort the job if a matched push has been arriving for longer than ``timeout_s``."""
+        for state in self._in_flight.values():
+            r = state.receiving
+            if now - r.started > self.cfg.timeout_s:
+                log.error("IMerge server %d: the push of %s from worker %d did not finish arriving within %.0f s "
+                          "(timeout_s): aborting the job", self.index, state.spec.describe(), r.source,
+                          self.cfg.timeout_s)
+                MPI.COMM_WORLD.Abort(3)
 
     def _complete(self, state: _KeyState) -> None:
         """Every worker that still trains has pushed: send the average (rescaled if some joined)."""
@@ -358,9 +360,7 @@ class Server:
             self._wait_key_sends(state)
 
     def _check_stalls(self, now: float) -> None:
-        for state in list(self._in_flight.values()):
-            if now - state.receiving.started > self.cfg.timeout_s:
-                self._abort_slow_receive(state)
+        self._abort_late_receives(now)
         for state in self.keys.values():
             if state.count and now - state.first_push_at > self.cfg.timeout_s:
                 missing = sorted(set(range(self.workers)) - state.arrived)

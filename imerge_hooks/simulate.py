@@ -403,7 +403,6 @@ class _Sim:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
         self.fabric = None if fabric is None else float(fabric)
         self.share_cv = float(share_cv)
-        self.share_sigma = math.sqrt(math.log1p(share_cv * share_cv))  # of the log-normal weight
         self.share_period, self.share_seed = float(share_period), int(share_seed)
         self.share_epoch = 0
         self.share_weights: dict[tuple[int, int], float] = {}
@@ -423,7 +422,7 @@ class _Sim:
             for i in members:
                 self.tensor_group[i] = g
         self.group_prio = [min(g) if g else 0 for g in self.groups]
-        self.priority, self.stagger, self.credit = priority, stagger, credit
+        self.priority, self.stagger = priority, stagger
         self.push_after_backward, self.iterations = push_after_backward, iterations
         self.record = record
         G, L = len(self.groups), len(self.layer_tensors)
@@ -649,7 +648,7 @@ class _Sim:
 
     def _start_flow(self, m: _Msg) -> None:
         self._net_advance()
-        if m.push and self.share_sigma > 0.0:
+        if m.push and self.share_cv > 0.0:
             m.weight = self._share_weight(m.worker, m.server)
             if self.share_event_at == math.inf:
                 self.share_event_at = (self.share_epoch + 1) * self.share_period

@@ -44,13 +44,19 @@ class LinkMonitor:
         self._thread = threading.Thread(target=self._run, name="linkmon", daemon=True)
         self._cmd = [nl._tool("ip"), "-n", nl.switch_ns(prefix), "-s", "-j", "link"]
 
-    def __enter__(self) -> LinkMonitor:
+    def start(self) -> LinkMonitor:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join(5.0)
+
+    def __enter__(self) -> LinkMonitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def sample(self) -> tuple[float, list[tuple[int, int]]] | None:
         proc = subprocess.run(self._cmd, capture_output=True, text=True, timeout=5)
