@@ -74,6 +74,8 @@ if str(REPO) not in sys.path:
 from benchmarks.netlab import netlab as nl  # noqa: E402
 from benchmarks.netlab.linkmon import LinkMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import summarize as summarize_links  # noqa: E402
+from benchmarks.timeline_report import format_report  # noqa: E402
+from benchmarks.timeline_report import report as timeline_report  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "worker_replay.py"
 PROFILES = REPO / "benchmarks" / "profiles"
@@ -806,6 +808,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{out['results'][0]['iteration_s'] if out['results'] else float('nan'):.3f} s/iter "
                       f"(with tracing), simulated {sres.iteration_s:.3f} s/iter\n  {stem}-measured.json\n"
                       f"  {stem}-simulated.json  (open in https://ui.perfetto.dev)")
+                raw_links = (out["info"].get("links") or {}).get("raw")
+                try:
+                    doc["timeline"]["report"] = timeline_report(f"{stem}-measured.json", raw_links,
+                                                                args.bandwidth_Bps * GOODPUT)
+                    print(format_report(doc["timeline"]["report"]))
+                except (OSError, ValueError, KeyError) as exc:  # e.g. the launch failed before writing the trace
+                    log(f"[timeline] no report: {exc}")
                 save()
         finally:
             nl.down(prefix=args.prefix)

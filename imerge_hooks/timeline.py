@@ -74,7 +74,10 @@ def write_trace(path: str, timelines: list[dict[str, Any]]) -> None:
         trace += tl.to_trace(pid)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+        # The origin lets other monotonic-clock records of the same host (e.g. the benchmark's
+        # link monitor) be aligned with the trace.
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
+                   "otherData": {"monotonic_origin_s": origin}}, f)
 
 
 def export(timeline: Timeline) -> dict[str, Any]:

@@ -115,5 +115,8 @@ def test_quick_measured_run(tmp_path):
     assert Path(tl["measured_trace"]).exists() and Path(tl["simulated_trace"]).exists(), out
     assert json.loads(Path(tl["simulated_trace"]).read_text())["traceEvents"], out
     assert json.loads(Path(tl["measured_trace"]).read_text())["traceEvents"], out
+    assert tl["report"]["workers"] == 2 and tl["report"]["iterations"], out  # timeline_report, links aligned
+    # aligned with the link samples (a 0.1 s iteration may fall between two samples: phases may be missing)
+    assert {p["phase"] for p in tl["report"]["links"]} <= {"backward", "forward"}, out
     assert "Table 2 - schedules, alexnet" in proc.stdout and "efficiency" in proc.stdout, out
     assert nl.list_namespaces(PREFIX) == []
