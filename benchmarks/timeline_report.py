@@ -5,10 +5,11 @@
 
 For every worker and iteration (backward start to the next backward start) it splits the
 time into backward, forward compute and the optimizer's waits, and separates the **first
-wait** of the forward (for the front layers' results, the last gradients of the backward)
-from the rest. For every key it measures the **push spread**: how far apart the workers
-pushed it; a synchronous server completes a key only at its last push, so a wide spread
-means the server's egress idles while its ingress is busy.
+wait** of the forward (for the front layers' results, the last gradients of the backward;
+without overlap it is the step's wait for every group) from the rest. For every key it
+measures the **push spread**: how far apart the workers pushed it; a synchronous server
+completes a key only at its last push, so a wide spread means the server's egress idles while
+its ingress is busy.
 
 With ``--links`` (the link monitor's samples of the same launch; the trace records its
 ``monotonic_origin_s``, so both share the host's clock) it also reports, per phase of
