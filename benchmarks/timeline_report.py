@@ -22,9 +22,16 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.netlab.linkmon import rates  # noqa: E402
 
 _KEY = re.compile(r"key (\d+)")
 
@@ -48,11 +55,16 @@ def _workers(tracks: dict[str, list[dict]]) -> list[str]:
     return sorted((t for t in tracks if t.startswith("worker ")), key=lambda t: int(t.split()[1]))
 
 
+def _backward(tracks: dict[str, list[dict]], worker: str) -> list[dict]:
+    """The worker's backward spans, one per iteration, in time order."""
+    return [e for e in tracks[worker] if e["cat"] == "backward"]
+
+
 def iterations(tracks: dict[str, list[dict]], worker: str) -> list[dict[str, float]]:
     """Per iteration of one worker (seconds): start (trace clock), iteration, backward,
     forward compute, waits, first wait, and the last result's arrival after backward ended."""
     evs = tracks[worker]
-    backward = [e for e in evs if e["cat"] == "backward"]
+    backward = _backward(tracks, worker)
     out = []
     for cur, nxt in zip(backward, backward[1:]):
         b0, b1, end = cur["ts"], cur["ts"] + cur["dur"], nxt["ts"]
@@ -78,7 +90,7 @@ def push_spread(tracks: dict[str, list[dict]], iteration: int) -> list[dict[str,
     names: dict[int, str] = {}
     starts = []
     for w in _workers(tracks):
-        backward = [e for e in tracks[w] if e["cat"] == "backward"]
+        backward = _backward(tracks, w)
         if iteration + 1 >= len(backward):
             return []
         b0, end = backward[iteration]["ts"], backward[iteration + 1]["ts"]
@@ -105,20 +117,18 @@ def link_phases(tracks: dict[str, list[dict]], origin: float, samples: list, lin
     of ``iteration``, and the fraction of samples in which the egress idled (< 10%) while the
     ingress was busy (> 80%). Hosts 0..W-1 are the workers, then the servers (as in run.py)."""
     W = len(_workers(tracks))
-    backward = [e for e in tracks["worker 0"] if e["cat"] == "backward"]
+    backward = _backward(tracks, "worker 0")
     b0 = origin + backward[iteration]["ts"] / 1e6
     b1 = b0 + backward[iteration]["dur"] / 1e6
     end = origin + backward[iteration + 1]["ts"] / 1e6
     phases = []
     for label, lo, hi in (("backward", b0, b1), ("forward", b1, end)):
         ins, outs, idle_egress = [], [], 0
-        for (ta, a), (tb, b) in zip(samples, samples[1:]):
-            if not lo <= ta < hi or tb <= ta:
+        for t, upload, download in rates(samples, 0.0):  # between consecutive samples
+            if not lo <= t < hi:
                 continue
-            dt = tb - ta
-            servers = range(W, len(a))
-            rin = statistics.fmean((b[s][1] - a[s][1]) / dt for s in servers) / link_Bps  # port tx = host download
-            rout = statistics.fmean((b[s][0] - a[s][0]) / dt for s in servers) / link_Bps
+            rin = statistics.fmean(download[W:]) / link_Bps
+            rout = statistics.fmean(upload[W:]) / link_Bps
             ins.append(rin)
             outs.append(rout)
             idle_egress += rin > 0.8 and rout < 0.1
