@@ -61,6 +61,7 @@ class _KeyState:
     sends: list = field(default_factory=list)
     receiving: _Receive | None = None  # the push being received into this key's buffers
     held: deque = field(default_factory=deque)  # matched pushes of this key waiting for it
+    held_since: float | None = None  # a new round's first push waits for the last round's results to leave
     wire_buf: list = field(default_factory=list)  # MPI views of wire / acc / out, built once
     acc_buf: list = field(default_factory=list)
     out_buf: list = field(default_factory=list)
@@ -96,6 +97,9 @@ class Server:
         # pushes are matched and received meanwhile, so one slow push does not hold up the rest.
         self._receiving = PendingRequests(window=4 * self.workers)
         self._in_flight: dict[int, _KeyState] = {}  # key -> state, while a push is being received
+        # Keys whose next round has begun (a push is matched) while the last round's results, sent
+        # from the same buffer, are still going out: their pushes wait, the loop goes on.
+        self._sends_pending: dict[int, _KeyState] = {}
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
         self._delayed: list[tuple[float, int, list[int]]] = []
@@ -115,6 +119,8 @@ class Server:
                 self._send_due()
             if self._in_flight:
                 self._progress_receives()
+            if self._sends_pending:
+                self._start_held_rounds()
             msg = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if msg is None:
                 self._progress_sends()
@@ -227,15 +233,37 @@ class Server:
             for worker in range(self.workers):
                 self.comm.send({"op": "error", "message": problem}, dest=worker, tag=TAG_ERROR)
             return
-        if state.receiving is not None:
+        if state.receiving is not None or state.held_since is not None:
             state.held.append((msg, source, nbytes))
             return
+        if state.count == 0 and state.sends and not MPI.Request.Testall(state.sends):
+            # A new round would overwrite the buffer the last round's results are sent from. Hold
+            # the push rather than block the loop: other keys' pushes and results keep moving.
+            state.held.append((msg, source, nbytes))
+            state.held_since = time.monotonic()
+            self._sends_pending[key] = state
+            return
         self._start_receive(state, msg, source, nbytes)
+
+    def _start_held_rounds(self) -> None:
+        """Start the held first push of every key whose last round's results have all gone out."""
+        now = time.monotonic()
+        for key, state in list(self._sends_pending.items()):
+            if MPI.Request.Testall(state.sends):
+                del self._sends_pending[key]
+                state.sends = []
+                if self.timeline is not None:
+                    self.timeline.span(f"hold key {key} for its last results", "wait", state.held_since, now)
+                state.held_since = None
+                self._start_receive(state, *state.held.popleft())
+            elif now - state.held_since > self.cfg.timeout_s:
+                raise TimeoutError(f"IMerge server {self.index}: result of {state.spec.describe()} was not "
+                                   f"taken by every worker within {self.cfg.timeout_s} s")
 
     def _start_receive(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
         first = state.count == 0
         if first:
-            self._wait_key_sends(state)
+            self._wait_key_sends(state)  # done already unless the push came through _drain_receives
             state.first_push_at = time.monotonic()
             state.warned = False
         into_acc = first and state.acc.dtype == state.wire.dtype
@@ -277,7 +305,9 @@ class Server:
     def _drain_receives(self) -> None:
         """Finish every push matched so far (held ones included)."""
         backoff = Backoff()
-        while self._in_flight:
+        while self._in_flight or self._sends_pending:
+            if self._sends_pending:
+                self._start_held_rounds()
             if self._progress_receives(full=True):
                 backoff.reset()
                 continue
