@@ -34,6 +34,7 @@ SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
 
 _MiB = 1 << 20
 RESULT_WINDOW_BYTES: int | None = None  # the default of Config.result_window_bytes (and simulate)
+TAIL_CREDIT_BYTES: int | None = 1 * _MiB  # the default of Config.tail_credit_bytes (and simulate)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class Config:
     fusion_threshold_bytes: int = 25 * _MiB
     # None: off. An A/B in one plan (AlexNet W=8, emulated cluster) found no gain; see flowcontrol
     result_window_bytes: int | None = RESULT_WINDOW_BYTES
+    # Partitioned, planned schedules (imerge): while the next forward's first gradients are due,
+    # other keys in flight are held to this (flowcontrol, "tail credit"). None: off.
+    tail_credit_bytes: int | None = TAIL_CREDIT_BYTES
     profile_steps: int = 10
     overlap_forward: bool | None = None  # None: as the schedule says
     timeout_s: float = 600.0
@@ -70,9 +74,9 @@ class Config:
         for name in ("partition_bytes", "credit_bytes", "fusion_threshold_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"IMerge: {name} must be positive, got {getattr(self, name)}")
-        if self.result_window_bytes is not None and self.result_window_bytes <= 0:
-            raise ValueError("IMerge: result_window_bytes must be positive or None (no window), "
-                             f"got {self.result_window_bytes}")
+        for name in ("result_window_bytes", "tail_credit_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"IMerge: {name} must be positive or None (off), got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
         if self.polling not in ("auto", "spin", "yield"):

@@ -42,7 +42,8 @@ class GradientEngine:
         traits = config.traits
         self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
                                      credit_bytes=config.credit_bytes if traits.partition else None,
-                                     result_window_bytes=config.result_window_bytes if traits.partition else None)
+                                     result_window_bytes=config.result_window_bytes if traits.partition else None,
+                                     tail_credit_bytes=config.tail_credit_bytes if traits.partition else None)
         self.immediate = not traits.push_after_backward
         self.passes = config.backward_passes_per_step
         self.iteration = 0
@@ -142,11 +143,14 @@ class GradientEngine:
             self.wait_group(self.groups[g])
             self.groups[g].submitted = False
 
-    def set_layout(self, plan: list[list[int]], partition_bytes: int | None = None) -> None:
+    def set_layout(self, plan: list[list[int]], partition_bytes: int | None = None,
+                   tail_group: int | None = None) -> None:
         """Rebuild groups for ``plan`` (lists of parameter indices, in send order).
 
         ``partition_bytes``: the key size limit of partitioned schedules from now on (the plan
-        search may choose one); None keeps the current one. Must be called on every worker at
+        search may choose one); None keeps the current one. ``tail_group``: the group whose
+        submission starts the tail credit (``flowcontrol.tail_start_group``; None: no tail). Must
+        be called on every worker at
         the same iteration boundary (it registers a new plan epoch with the servers, a
         collective step).
         """
@@ -219,6 +223,9 @@ class GradientEngine:
             groups.append(Group(index=gi, flat=flat, result=result, keys=keys, key_ranges=ranges,
                                 priority=min(members), names=tuple(self.names[i] for i in members),
                                 staging=staging, members=list(members), swap=swap))
+        if tail_group is not None and groups:
+            groups[-1].urgent = True
+            groups[tail_group].tail_keys = len(groups[-1].keys)
         self.groups = groups
         self.views = views
         self._spare_views = spare

@@ -36,6 +36,10 @@ class Group:
     callbacks: list = field(default_factory=list)  # one-shot fn(error_or_None), run by the comm thread
     swap: bool = False  # result becomes flat on completion (see take_result) instead of a copy
     result_pending: bool = False  # swap groups: submitted, result not taken yet
+    # Tail credit (flowcontrol): submitting a group with tail_keys > 0 starts the tail, which lasts
+    # until that many keys of the urgent group (the plan's last, the next forward's first) are delivered.
+    tail_keys: int = 0
+    urgent: bool = False
 
     _buffers: dict = field(default_factory=dict, repr=False)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from .costmodel import CostModel, LinearModel
+from .flowcontrol import tail_start_group
 from .planner import Plan
 from .plansearch import choose_plan
 from .profiler import Profile, Profiler
@@ -56,14 +57,23 @@ class Replanner:
             names = [self.profile.names[i] for i in order]
             result = choose_plan(sizes, ready, names, self.model, engine.cfg, topo.num_workers, topo.num_servers,
                                  dtypes=dtypes, forward_times=self.profile.forward_times)
-            decision = (order, result)
-        order, result = topo.worker_comm.bcast(decision, root=0) if topo.num_workers > 1 else decision
+            tail = self._tail_group([[order[j] for j in group] for group in result.groups])
+            decision = (order, result, tail)
+        order, result, tail = topo.worker_comm.bcast(decision, root=0) if topo.num_workers > 1 else decision
         self.plan = result
         groups = [[order[j] for j in group] for group in result.groups]
-        engine.set_layout(groups, partition_bytes=result.partition_bytes)
+        engine.set_layout(groups, partition_bytes=result.partition_bytes, tail_group=tail)
         if engine.cfg.plan_log and topo.worker_rank == 0:
             print(self.describe(order), flush=True)
         log.info("IMerge: %s plan with %d groups installed as plan epoch %d", self.method, len(groups), engine.epoch)
+
+    def _tail_group(self, groups: list[list[int]]) -> int | None:
+        """Where the tail credit starts: one credit's round trip (cost model) before the last group is due."""
+        cfg = self.engine.cfg
+        if not (cfg.traits.partition and cfg.traits.priority) or cfg.tail_credit_bytes is None:
+            return None
+        ready = [max(self.profile.ready_times[i] for i in group) for group in groups]
+        return tail_start_group(ready, float(self.model.time(cfg.credit_bytes)))
 
     def describe(self, order: list[int]) -> str:
         sizes = [self.profile.sizes[i] for i in order]

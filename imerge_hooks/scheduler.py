@@ -4,7 +4,8 @@ Groups arrive from the engine as they become ready. Each is expanded into one ta
 tasks go out FIFO, or front layers first when ``priority`` is on (a partly sent group yields
 to a higher-priority one at partition granularity). With ``stagger`` worker r starts each
 group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
-(at least one push always is; credit returns when a push is delivered) and at most
+(at least one push always is; credit returns when a push is delivered; ``tail_credit_bytes``
+for other keys while the plan's urgent last group is due) and at most
 ``result_window_bytes`` wait for their results (``flowcontrol``). Errors are kept and re-raised
 in the thread that waits.
 """
@@ -35,6 +36,7 @@ class SchedulePolicy:
     stagger: bool = False
     credit_bytes: int | None = None  # None: unlimited
     result_window_bytes: int | None = None  # None: unlimited
+    tail_credit_bytes: int | None = None  # None: no tail credit (flowcontrol)
 
 
 @dataclass
@@ -141,7 +143,9 @@ class CommThread:
                         self._stopped.set()
                         return
                     group, policy = item
-                    windows.configure(policy.credit_bytes, policy.result_window_bytes)
+                    windows.configure(policy.credit_bytes, policy.result_window_bytes, policy.tail_credit_bytes)
+                    if group.tail_keys:
+                        windows.begin_tail(group.tail_keys)
                     self._expand(group, policy, ready)
                 # 2. start tasks within the credit and result windows
                 progressed = False
@@ -160,6 +164,8 @@ class CommThread:
                     # result window does, with the rule in flowcontrol that keeps it deadlock-free).
                     op.send_done = True
                     windows.delivered(op.task.nbytes)
+                    if op.task.group.urgent:
+                        windows.urgent_delivered()
                     progressed = True
                     if op.recv_done:
                         del inflight[id(op)]
@@ -215,7 +221,7 @@ class CommThread:
         number = next(self._seq)  # groups arrive in the same order on every worker
         for slot in slots:
             task = _Task(group, slot, (prio, number, slot))
-            ready.add(task, task.nbytes, prio, task.order)
+            ready.add(task, task.nbytes, prio, task.order, group.urgent)
 
     def _start(self, task: _Task) -> _InFlight:
         spec = task.group.keys[task.slot]

@@ -89,9 +89,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import RESULT_WINDOW_BYTES, SCHEDULE_TRAITS, SCHEDULES
+from .config import RESULT_WINDOW_BYTES, SCHEDULE_TRAITS, SCHEDULES, TAIL_CREDIT_BYTES
 from .costmodel import CostModel, LinearModel, PSModel
-from .flowcontrol import ReadyQueue, SendWindows
+from .flowcontrol import ReadyQueue, SendWindows, tail_start_group
 from .planner import Plan, plan
 
 _MiB = 1 << 20
@@ -399,7 +399,8 @@ class _Sim:
                  credit: int | None, push_after_backward: bool, overlap: bool, iterations: int,
                  result_window: int | None = None,
                  record: bool = True, fabric: float | None = None, share_cv: float = 0.0,
-                 share_period: float = 1.0, share_seed: int = 0) -> None:
+                 share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
+                 tail_credit: int | None = None) -> None:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
         self.fabric = None if fabric is None else float(fabric)
         self.share_cv = float(share_cv)
@@ -445,7 +446,11 @@ class _Sim:
         self.ops = ops
         W = workers
         # No backstop timer in simulated time: flowcontrol's rule alone is deadlock-free.
-        self.workers = [_Worker(windows=SendWindows(credit, result_window, escape_s=math.inf)) for _ in range(W)]
+        self.workers = [_Worker(windows=SendWindows(credit, result_window, escape_s=math.inf,
+                                                    tail_credit_bytes=tail_credit)) for _ in range(W)]
+        # Tail credit (flowcontrol): submitting tail_group starts the tail, the last group is urgent.
+        self.tail_group = tail_group if tail_credit is not None else None
+        self.urgent_group = G - 1 if self.tail_group is not None else -1
         self.arrived = [[0] * G for _ in range(W)]
         self.pending = [[0] * G for _ in range(W)]
         self.done_round = [[0] * G for _ in range(W)]
@@ -570,10 +575,13 @@ class _Sim:
             slots = slots[first:] + slots[:first]
         prio = self.group_prio[g] if self.priority else 0
         w = self.workers[r]
+        if g == self.tail_group:
+            w.windows.begin_tail(len(self.group_keys[self.urgent_group]))
+        urgent = g == self.urgent_group
         for slot in slots:
             k = keys[slot]
             w.key_order[k] = order = (prio, g, slot)  # groups are submitted in plan order everywhere
-            w.ready.add(k, self.key_bytes[k], prio, order)
+            w.ready.add(k, self.key_bytes[k], prio, order, urgent)
         self._pump(r)
 
     def _pump(self, r: int) -> None:
@@ -610,7 +618,10 @@ class _Sim:
                 self.timeline.append(Event(self.wtrack[m.worker], f"result {who} from server {m.server}",
                                            m.start, self.now, "pull", m.nbytes))
         if m.push:
-            self.workers[m.worker].windows.delivered(m.nbytes)
+            windows = self.workers[m.worker].windows
+            windows.delivered(m.nbytes)
+            if self.key_group[m.key] == self.urgent_group:
+                windows.urgent_delivered()
             self._pump(m.worker)
             s = m.server
             start = max(self.now, self.cpu_free[s])
@@ -802,7 +813,7 @@ def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_byt
 
 def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInfo], group_keys, cluster: ClusterSpec,
               priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
-              result_window: int | None = None,
+              result_window: int | None = None, tail_group: int | None = None, tail_credit: int | None = None,
               iterations: int, record: bool) -> _Sim:
     return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
                 group_keys=group_keys, key_bytes=[k.nbytes for k in keys], key_server=[k.server for k in keys],
@@ -811,7 +822,7 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 result_window=result_window,
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
                 fabric=cluster.fabric_Bps, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
-                share_seed=cluster.share_seed)
+                share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -847,7 +858,8 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
 
 def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: list[int], sizes: list[int],
                    ready_at: list[float], cost_model: CostModel, *, partition_bytes: int, credit_bytes: int,
-                   result_window_bytes: int | None, overlap_forward: bool | None, iterations: int) -> Plan:
+                   result_window_bytes: int | None, tail_credit_bytes: int | None, overlap_forward: bool | None,
+                   iterations: int) -> Plan:
     """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
     from .plansearch import candidate_plans, searched_plan
 
@@ -857,8 +869,8 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
     def score(cand: list[list[int]], partition: int) -> float:
         return simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
                         partition_bytes=partition, credit_bytes=credit_bytes,
-                        result_window_bytes=result_window_bytes, overlap_forward=overlap_forward,
-                        iterations=iterations).iteration_s
+                        result_window_bytes=result_window_bytes, tail_credit_bytes=tail_credit_bytes,
+                        cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations).iteration_s
 
     return searched_plan(candidate_plans(sizes_r, ready_r, cost_model), score, sizes_r, ready_r, cost_model,
                          partition_bytes, SCHEDULE_TRAITS[schedule].partition)[0]
@@ -882,6 +894,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = 4 * _MiB,
              credit_bytes: int = 8 * _MiB, result_window_bytes: int | None = RESULT_WINDOW_BYTES,
+             tail_credit_bytes: int | None = TAIL_CREDIT_BYTES,
              fusion_threshold_bytes: int = 25 * _MiB,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
@@ -892,6 +905,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
     ``partition_bytes``/``credit_bytes``/``result_window_bytes`` (None: no window) matter for
     partitioned schedules (priority, imerge),
+    ``tail_credit_bytes`` (None: off) for imerge (``flowcontrol``, tail credit),
     ``fusion_threshold_bytes`` for ``threshold``. ``cost_model``: what the planner of
     mgwfbp/adaptive-ps/imerge uses (anything with ``.time(nbytes)``); None: the
     :func:`calibrate_model` of ``cluster``. ``overlap_forward``: as ``Config.overlap_forward``
@@ -948,6 +962,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, planner_model,
                                          partition_bytes=partition_bytes, credit_bytes=credit_bytes,
                                          result_window_bytes=result_window_bytes,
+                                         tail_credit_bytes=tail_credit_bytes,
                                          overlap_forward=overlap_forward, iterations=iterations)
         else:
             plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], planner_model,
@@ -956,11 +971,19 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         if plan_result.partition_bytes is not None:
             partition_bytes = plan_result.partition_bytes
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
+    tail_group = None
+    if tail_credit_bytes is not None and traits.partition and traits.priority and traits.planner != "none":
+        tail_model = cost_model if cost_model is not None else used_model
+        if tail_model is None:
+            tail_model = calibrate_model(cluster)
+        tail_group = tail_start_group([max(ready_at[i] for i in g) for g in groups],
+                                      float(tail_model.time(credit_bytes)))
     sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
                     priority=traits.priority, stagger=traits.stagger,
                     credit=credit_bytes if traits.partition else None,
                     result_window=result_window_bytes if traits.partition else None,
+                    tail_group=tail_group, tail_credit=tail_credit_bytes,
                     push_after_backward=traits.push_after_backward,
                     overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
                     iterations=iterations, record=timeline)

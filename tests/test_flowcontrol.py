@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from imerge_hooks.flowcontrol import ReadyQueue, SendWindows
+from imerge_hooks.flowcontrol import ReadyQueue, SendWindows, tail_start_group
+from imerge_hooks.costmodel import LinearModel
 from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
 
 MiB = 1 << 20
@@ -80,6 +81,55 @@ def test_backstop_lets_one_push_out_per_period_without_results(caplog):
     assert q.take(w, 11.5) is None  # the period restarts
 
 
+def test_tail_credit_holds_other_keys_until_the_urgent_ones_are_delivered():
+    w = SendWindows(credit_bytes=8, result_window_bytes=None, tail_credit_bytes=2)
+    q = ReadyQueue()
+
+    def take_and_start():
+        item = q.take(w, 0.0)
+        if item is not None:
+            w.started(sizes[item], (0, 0, 0), 0.0)
+        return item
+
+    sizes = {"first": 2, "late": 2, "later": 2, "again": 2, "front0": 4, "front1": 4}
+    q.add("first", 2, 9, (9, 0, 0))
+    q.add("late", 2, 9, (9, 0, 1))
+    assert [take_and_start(), take_and_start()] == ["first", "late"]  # no tail yet: the full credit
+    w.begin_tail(urgent_keys=2)
+    q.add("later", 2, 9, (9, 1, 0))
+    assert take_and_start() is None  # 4 bytes in flight: over the tail credit
+    w.delivered(2)
+    w.delivered(2)
+    assert take_and_start() == "later"  # nothing in flight: one push always may go
+    q.add("again", 2, 9, (9, 1, 1))
+    q.add("front0", 4, 0, (0, 2, 0), urgent=True)
+    q.add("front1", 4, 0, (0, 2, 1), urgent=True)
+    assert take_and_start() == "front0"  # urgent keys use the full credit: 2 + 4 <= 8
+    assert take_and_start() is None  # 6 + 4 > 8
+    w.delivered(4)
+    w.urgent_delivered()
+    assert take_and_start() == "front1"
+    assert take_and_start() is None and w.in_tail  # one urgent key not yet delivered
+    w.delivered(4)
+    w.urgent_delivered()
+    assert not w.in_tail and take_and_start() == "again"  # tail over: 2 + 2 <= 8
+
+
+def test_no_tail_credit_means_no_tail():
+    w = SendWindows(credit_bytes=8, result_window_bytes=None, tail_credit_bytes=None)
+    w.begin_tail(urgent_keys=3)
+    w.started(6, (9, 0, 0), 0.0)
+    assert not w.in_tail and w.credit_allows(2, urgent=False)
+
+
+def test_tail_starts_one_window_before_the_last_group():
+    ready = [0.0, 0.1, 0.5, 0.8, 0.9, 1.0]
+    assert tail_start_group(ready, 0.25) == 3
+    assert tail_start_group(ready, 0.0) == 5  # the last group starts its own tail
+    assert tail_start_group(ready, 5.0) == 0
+    assert tail_start_group([], 1.0) is None
+
+
 def model(layers: int = 6, nbytes: int = 4 * MiB) -> ModelSpec:
     return ModelSpec([LayerSpec(f"l{i}", [nbytes, nbytes // 4], 1e-3, 2e-3) for i in range(layers)], batch_size=8)
 
@@ -107,3 +157,25 @@ def test_no_window_is_the_old_model_and_the_window_pays_under_uneven_sharing():
 
     assert t(uneven, 4 * MiB) < t(uneven, None)
     assert t(fair, 4 * MiB) <= 1.05 * t(fair, None)
+
+
+def test_simulated_tail_credit_keeps_the_front_layer_off_the_back_of_the_queue():
+    """One worker, one server, 1 MB/s each way, no startup. The back layer (4 x 1 MB partitions,
+    credit 2 MB) is ready at 0.12 s, the front layer (1 kB, the urgent last group) at 1.62 s.
+    Without a tail, partition 3 starts at 1.12 s and fills the credit: the front push waits for
+    credit until 2.12 s, leaves behind partition 3 (delivered 3.12 s), and its result queues behind
+    three partitions' results: 4.121 s. With the tail from the back layer's submission, one
+    partition at a time is in flight: the front push goes at 1.62 s behind partition 2 (2.12 s)
+    and its result comes back behind two results: 3.121 s. The next forward starts then."""
+    spec = ModelSpec([LayerSpec("front", [1000], 0.01, 1.5), LayerSpec("back", [4_000_000], 0.01, 0.1)],
+                     batch_size=1)
+    cluster = ClusterSpec(1, 1, 1e6, 0.0)
+
+    def next_forward_start(tail):
+        res = simulate(spec, cluster, "imerge", groups=[[1], [0]], partition_bytes=1_000_000,
+                       credit_bytes=2_000_000, tail_credit_bytes=tail, cost_model=LinearModel(0.0, 1e-5),
+                       iterations=2, plan_search=False)
+        return min(e.start for e in res.timeline if e.name == "forward front" and e.start > 1.0)
+
+    assert next_forward_start(None) == pytest.approx(4.121, abs=1e-6)
+    assert next_forward_start(500_000) == pytest.approx(3.121, abs=1e-6)
