@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from imerge_hooks.flowcontrol import ReadyQueue, SendWindows, tail_start_group
 from imerge_hooks.costmodel import LinearModel
+from imerge_hooks.flowcontrol import ReadyQueue, SendWindows, tail_start_group
 from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
 
 MiB = 1 << 20
