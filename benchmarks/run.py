@@ -780,8 +780,8 @@ def main(argv: list[str] | None = None) -> int:
                 nl.up(hosts=W + S, bandwidth=args.bandwidth, prefix=args.prefix)
                 fabric[str(W)] = probe_fabric(W, S, args)
                 log(f"[fabric] W={W} S={S}: every link both ways at once moves "
-                    f"{fabric[str(W)]['aggregate_Bps'] / 1e6:.0f} MB/s in all (links alone would allow "
-                    f"{2 * 2 * S * B * GOODPUT / 1e6:.0f} MB/s)")
+                    f"{fabric[str(W)]['aggregate_Bps'] / 1e6:.0f} MB/s in all (the servers' ports carry at most "
+                    f"{2 * S * B * GOODPUT / 1e6:.0f} MB/s of TCP payload both ways)")
                 save()
             if args.timeline:
                 spec = args.timeline
@@ -904,8 +904,8 @@ def main(argv: list[str] | None = None) -> int:
                     r["efficiency_emulator"]
         if eff_emu:
             print("\n---- The same against the emulator's own bound max(bound above, 2 * W * bytes / fabric rate):"
-                  " the fabric rate is what netlab/duplex_probe.py moves with every link busy both ways, which the"
-                  " 2 shared cores cap below the links' rate ----")
+                  " the fabric rate is what netlab/duplex_probe.py moves with every link busy both ways (88-97% of the"
+                  " links' TCP goodput at 250 Mbit/s to 2 Gbit/s: netlab/fabric_scaling.py) ----")
             for m in args.models:
                 if eff_emu.get(m):
                     print()
@@ -951,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
         variants = [("predicted_s", "error", "links only (the model of a real cluster)")]
         if any("error_fabric" in v for v in val):
             variants.append(("predicted_fabric_s", "error_fabric",
-                             "links + the emulator's shared CPUs (fabric cap from netlab/duplex_probe.py)"))
+                             "links + the duplex fabric cap (netlab/duplex_probe.py)"))
         if any("error_share" in v for v in val):
             variants.append(("predicted_share_s", "error_share",
                              "links + fabric cap + uneven incast sharing (share CV and period from the link "

@@ -58,8 +58,8 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   that CV, drawn afresh every ``share_period_s`` (deterministic per connection and period,
   from ``share_seed``), and rates are the *weighted* max-min fair allocation. It matters
   because a key completes only when its slowest push has arrived. With ``ClusterSpec.fabric_Bps`` every
-  flow also crosses one shared link of that rate: an emulated cluster whose hosts share a few
-  CPU cores that run all the TCP stacks (netlab on a small VM) moves less than its links allow.
+  flow also crosses one shared link of that rate: what a cluster moves with every link busy both
+  ways at once (``benchmarks/netlab/duplex_probe.py``), a little less than its links' goodput.
 * **Server.** Each push, once delivered, costs ``startup_s`` of the server's single thread
   (the Python loop's per-message probe/receive/sum work), FIFO over all workers' pushes, so a
   W-way incast pays W startups in a row. When a key has all W pushes the server sends the sum
@@ -195,9 +195,9 @@ class ClusterSpec:
     measured with W workers is about ``W * startup_s``, so build the spec from a measured
     model with :meth:`from_psmodel`. ``time_scale``: factor on the model's compute times
     (replay a profile as a faster or slower device). ``fabric_Bps``: optional cap on the sum of
-    all flows' rates, a link every flow crosses. None for a real cluster; set it to model an
-    emulated one whose hosts share a few CPU cores that run every rank's TCP stack
-    (``benchmarks/netlab/duplex_probe.py`` measures it). ``share_cv``/``share_period_s``: how
+    all flows' rates, a link every flow crosses. None: the links alone; set it to what the
+    cluster moves with every link busy both ways (``benchmarks/netlab/duplex_probe.py``
+    measures it: 88-97% of the links' TCP goodput on netlab). ``share_cv``/``share_period_s``: how
     unevenly pushes into one server share its ingress, and for how long a share persists (0: max-min
     fair; the module doc has the model; ``benchmarks/netlab/linkmon.py`` measures both).
     """

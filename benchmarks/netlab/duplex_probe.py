@@ -6,8 +6,9 @@ back to every worker, all at once, for ``--rounds`` rounds: the traffic of a PS 
 with no compute. Waits poll with IMerge's own back-off (``polling.Backoff``, yield mode), so
 the ranks use the CPU the way IMerge's ranks do.
 
-On real hardware this is limited by the NICs (2*S*link rate); on the 2-core emulator the
-CPUs that run every rank's TCP stack often give out first. Rank 0 prints one JSON line::
+The servers' ports bound it (2 x S x link rate x TCP goodput). On netlab it moves 88-97% of
+that at every rate from 250 Mbit/s to 2 Gbit/s (``fabric_scaling.py``): the links set it, not
+the 2 cores that run every rank's TCP stack. Rank 0 prints one JSON line::
 
     {"workers": W, "servers": S, "bytes": ..., "seconds": ..., "aggregate_Bps": ...}
 
