@@ -21,6 +21,11 @@ class ScheduleTraits:
     stagger: bool  # worker r starts each group's partition sequence at server r % S
     overlap_forward: bool  # defer the update into the next forward pass
 
+    @property
+    def tail_credit(self) -> bool:
+        """Planned, partitioned, prioritised (imerge): the plan's last group is urgent (flowcontrol)."""
+        return self.planner != "none" and self.partition and self.priority
+
 
 SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
     "default": ScheduleTraits("none", True, False, False, False, False),

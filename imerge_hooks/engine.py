@@ -43,7 +43,7 @@ class GradientEngine:
         self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
                                      credit_bytes=config.credit_bytes if traits.partition else None,
                                      result_window_bytes=config.result_window_bytes if traits.partition else None,
-                                     tail_credit_bytes=config.tail_credit_bytes if traits.partition else None)
+                                     tail_credit_bytes=config.tail_credit_bytes if traits.tail_credit else None)
         self.immediate = not traits.push_after_backward
         self.passes = config.backward_passes_per_step
         self.iteration = 0

@@ -70,7 +70,7 @@ class Replanner:
     def _tail_group(self, groups: list[list[int]]) -> int | None:
         """Where the tail credit starts: one credit's round trip (cost model) before the last group is due."""
         cfg = self.engine.cfg
-        if not (cfg.traits.partition and cfg.traits.priority) or cfg.tail_credit_bytes is None:
+        if not cfg.traits.tail_credit or cfg.tail_credit_bytes is None:
             return None
         ready = [max(self.profile.ready_times[i] for i in group) for group in groups]
         return tail_start_group(ready, float(self.model.time(cfg.credit_bytes)))

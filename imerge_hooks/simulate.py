@@ -972,7 +972,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             partition_bytes = plan_result.partition_bytes
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
     tail_group = None
-    if tail_credit_bytes is not None and traits.partition and traits.priority and traits.planner != "none":
+    if tail_credit_bytes is not None and traits.tail_credit:
         tail_model = cost_model if cost_model is not None else used_model
         if tail_model is None:
             tail_model = calibrate_model(cluster)
