@@ -236,12 +236,16 @@ class Server:
         if state.receiving is not None or state.held_since is not None:
             state.held.append((msg, source, nbytes))
             return
+        self._accept(state, msg, source, nbytes)
+
+    def _accept(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
+        """Start receiving a matched push of a key that is not receiving one, unless it begins a new
+        round while the last round's results, sent from the same buffer, are still going out: then
+        hold it (first in line) rather than block the loop, so other keys keep moving."""
         if state.count == 0 and state.sends and not MPI.Request.Testall(state.sends):
-            # A new round would overwrite the buffer the last round's results are sent from. Hold
-            # the push rather than block the loop: other keys' pushes and results keep moving.
-            state.held.append((msg, source, nbytes))
+            state.held.appendleft((msg, source, nbytes))
             state.held_since = time.monotonic()
-            self._sends_pending[key] = state
+            self._sends_pending[state.spec.key] = state
             return
         self._start_receive(state, msg, source, nbytes)
 
@@ -263,7 +267,7 @@ class Server:
     def _start_receive(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
         first = state.count == 0
         if first:
-            self._wait_key_sends(state)  # done already unless the push came through _drain_receives
+            self._wait_key_sends(state)  # returns at once: _accept started this round after those sends
             state.first_push_at = time.monotonic()
             state.warned = False
         into_acc = first and state.acc.dtype == state.wire.dtype
@@ -300,7 +304,7 @@ class Server:
         if state.count == self.workers - len(self.joined - state.arrived):
             self._complete(state)
         if state.held:
-            self._start_receive(state, *state.held.popleft())
+            self._accept(state, *state.held.popleft())
 
     def _drain_receives(self) -> None:
         """Finish every push matched so far (held ones included)."""
