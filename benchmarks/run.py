@@ -85,7 +85,7 @@ FUSION = ("threshold", "mgwfbp", "adaptive-ps")
 SCHEDULES = ("default", "wfbp", "priority", "mgwfbp", "imerge")
 PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")
 RUN_ORDER = ("default", "wfbp", "priority", "mgwfbp", "imerge", "threshold", "adaptive-ps")
-GOODPUT = 1448 / 1514  # TCP payload per 1514-byte Ethernet frame; netlab measures 0.96 of the rate
+GOODPUT = nl.GOODPUT
 FALLBACK_STARTUP_S = 200e-6  # per-push server work when no calibrated model exists (--sim-startup-us)
 
 
@@ -191,18 +191,6 @@ def measured_shares(launches: list[dict], workers: list[int], args) -> dict[int,
         elif args.share_cv is not None:
             out[W] = (args.share_cv, args.share_period, "--share-cv/--share-period")
     return out
-
-
-def probe_fabric(workers: int, servers: int, args) -> dict:
-    """Run ``netlab/duplex_probe.py`` on the lab: what all links together move, both ways at once."""
-    probe = Path(__file__).resolve().parent / "netlab" / "duplex_probe.py"
-    cmd = nl.spmd_cmd([sys.executable, str(probe), "--servers", str(servers)], workers + servers,
-                      prefix=args.prefix, extra_env={"OMP_NUM_THREADS": "1"})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            return json.loads(line)
-    raise RuntimeError(f"duplex_probe failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
 
 
 # ---------------------------------------------------------------------------- measured jobs
@@ -778,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
             fabric = doc.setdefault("fabric", {})
             for W in [w for w in args.validate_workers if w in args.workers and str(w) not in fabric]:
                 nl.up(hosts=W + S, bandwidth=args.bandwidth, prefix=args.prefix)
-                fabric[str(W)] = probe_fabric(W, S, args)
+                fabric[str(W)] = nl.duplex_probe(W, S, prefix=args.prefix)
                 log(f"[fabric] W={W} S={S}: every link both ways at once moves "
                     f"{fabric[str(W)]['aggregate_Bps'] / 1e6:.0f} MB/s in all (the servers' ports carry at most "
                     f"{2 * S * B * GOODPUT / 1e6:.0f} MB/s of TCP payload both ways)")

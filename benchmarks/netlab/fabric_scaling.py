@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,24 +26,14 @@ if str(REPO) not in sys.path:
 
 from benchmarks.netlab import netlab as nl  # noqa: E402
 
-GOODPUT = 1448 / 1514  # TCP payload per 1514-byte Ethernet frame
-PROBE = Path(__file__).resolve().parent / "duplex_probe.py"
-
 
 def probe(workers: int, servers: int, rate: str, prefix: str, rounds: int) -> dict:
     """One duplex probe on a fresh lab at ``rate``: the probe's JSON plus the links' capacity."""
     cfg = nl.up(hosts=workers + servers, bandwidth=rate, prefix=prefix, force=True)
-    cmd = nl.spmd_cmd([sys.executable, str(PROBE), "--servers", str(servers), "--rounds", str(rounds)],
-                      workers + servers, prefix=prefix, extra_env={"OMP_NUM_THREADS": "1"})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            out = json.loads(line)
-            capacity = 2 * servers * cfg.rate_bit / 8 * GOODPUT
-            out.update(rate=rate, rate_bit=cfg.rate_bit, capacity_Bps=capacity,
-                       fraction=out["aggregate_Bps"] / capacity)
-            return out
-    raise RuntimeError(f"duplex_probe failed at {rate} (rc {proc.returncode}): {proc.stderr[-2000:]}")
+    out = nl.duplex_probe(workers, servers, prefix=prefix, rounds=rounds, timeout=900)
+    capacity = 2 * servers * cfg.rate_bit / 8 * nl.GOODPUT
+    out.update(rate=rate, rate_bit=cfg.rate_bit, capacity_Bps=capacity, fraction=out["aggregate_Bps"] / capacity)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

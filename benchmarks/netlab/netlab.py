@@ -73,9 +73,13 @@ __all__ = [
     "run",
     "link_counters",
     "pingpong",
+    "duplex_probe",
+    "GOODPUT",
 ]
 
 DEFAULT_PREFIX = "imlab"
+#: TCP payload per 1514-byte Ethernet frame (netlab measures 0.96 of the shaped rate one way)
+GOODPUT = 1448 / 1514
 #: name of the lab NIC inside every host namespace (what FI_TCP_IFACE points at)
 IFACE = "im0"
 #: the lab subnet; host i gets SUBNET.(i+1)/24.  Exists only inside the lab.
@@ -818,6 +822,26 @@ def pingpong(
     res = json.loads(line[len("PINGPONG ") :])
     res["veth_delta"] = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     return res
+
+
+def duplex_probe(
+    workers: int,
+    servers: int,
+    prefix: str = DEFAULT_PREFIX,
+    rounds: int | None = None,
+    timeout: float = 600.0,
+) -> dict:
+    """Run ``duplex_probe.py`` on the lab (rank i on host i, servers last) and return its JSON:
+    what every link busy both ways at once moves (``aggregate_Bps``)."""
+    args = [sys.executable, str(_HERE / "duplex_probe.py"), "--servers", str(servers)]
+    if rounds is not None:
+        args += ["--rounds", str(rounds)]
+    full = spmd_cmd(args, workers + servers, prefix=prefix, extra_env={"OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(full, timeout=timeout, capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("{")), None)
+    if proc.returncode != 0 or line is None:
+        raise NetlabError(f"duplex_probe failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(line)
 
 
 # --------------------------------------------------------------------------
