@@ -4,6 +4,7 @@ the oldest ``window`` requests on a quick poll and all of them on a full poll.""
 import time
 
 import numpy as np
+from common import say
 from mpi4py import MPI
 
 from imerge_hooks.transport import PendingRequests
@@ -46,4 +47,4 @@ rest = wait_for(pool, True, 36)
 assert sorted(rest) == sorted(f"recv{t}" for t in range(3, 40) if t != 5), rest
 assert len(pool) == 0 and pool.completed(full=True) == [] and pool.completed(full=False) == []
 assert all(b[0] == t for t, b in enumerate(bufs)), "a receive landed in the wrong buffer"
-print("@0 PENDING-OK")
+say(0, "PENDING-OK")

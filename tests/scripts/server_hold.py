@@ -13,6 +13,7 @@ import sys
 import time
 
 import torch
+from common import say
 
 import imerge_hooks
 from imerge_hooks import runtime
@@ -44,7 +45,7 @@ def wait(request, what: str, limit_s: float = 20.0) -> None:
     deadline = time.monotonic() + limit_s
     while not request.Test():
         if time.monotonic() > deadline:
-            print(f"@{me} STUCK {what}", flush=True)
+            say(me, "STUCK", what)
             sys.exit(3)
         time.sleep(0.001)
 
@@ -81,6 +82,6 @@ wait(send_j, "J push")
 wait(send_k2, "K round 2 push")
 wait(k_recv_2, "K round 2 result")
 assert torch.all(k_out_2 == 15.0), k_out_2[:4]
-print(f"@{me} OK", flush=True)
+say(me, "OK")
 runtime.register_keys(client, [])
 imerge_hooks.shutdown()
