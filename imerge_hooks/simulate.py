@@ -485,6 +485,9 @@ class _Sim:
             t, _, code, payload = heapq.heappop(heap)
             if code == _EV_NET and payload != self.net_version:
                 continue  # superseded by a later rate computation
+            if t < self.now - _EPS_T:  # an event scheduled in the past would run time backwards
+                raise RuntimeError(f"IMerge simulate internal: event {code} at {t:.6f} s is before now "
+                                   f"({self.now:.6f} s)")
             self.now = t
             if code == _EV_COMPUTE:
                 self._compute_done(payload)
@@ -660,10 +663,14 @@ class _Sim:
     def _start_flow(self, m: _Msg) -> None:
         self._net_advance()
         if m.push and self.share_cv > 0.0:
-            m.weight = self._share_weight(m.worker, m.server)
-            if self.share_event_at == math.inf:
+            if self.share_event_at == math.inf:  # no push was flowing: shares of the period we are in now
+                epoch = int(self.now / self.share_period + 1e-9)
+                if epoch != self.share_epoch:
+                    self.share_epoch = epoch
+                    self.share_weights.clear()
                 self.share_event_at = (self.share_epoch + 1) * self.share_period
                 self._push_event(self.share_event_at, _EV_SHARE, None)
+            m.weight = self._share_weight(m.worker, m.server)
         m.remaining = float(m.nbytes)
         m.rate = 0.0
         m.start = self.now

@@ -120,3 +120,34 @@ def test_quick_measured_run(tmp_path):
     assert {p["phase"] for p in tl["report"]["links"]} <= {"backward", "forward"}, out
     assert "Table 2 - schedules, alexnet" in proc.stdout and "efficiency" in proc.stdout, out
     assert nl.list_namespaces(PREFIX) == []
+
+
+def test_share_model_per_transfer_class():
+    """The simulator's sharing CV is the median of the monitored runs of the same W and transfer
+    class (partitioned or whole-group pushes); whole launches, then --share-cv, are the fallbacks."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.run import measured_shares, transfer_class
+
+    assert transfer_class("imerge") == transfer_class("priority") == "partitioned"
+    assert {transfer_class(s) for s in ("default", "wfbp", "threshold", "mgwfbp", "adaptive-ps")} == {"whole"}
+
+    def links(cv: float, period: float | None = 1.0, windows: int = 10) -> dict:
+        return {"connection_share_cv": cv, "share_period_s": period, "dispersion_windows": windows}
+
+    runs = [{"workers": 8, "schedule": "imerge", "links": links(0.2, 0.4)},
+            {"workers": 8, "schedule": "priority", "links": links(0.4, 0.6)},
+            {"workers": 8, "schedule": "priority", "links": links(0.9, 0.6, windows=2)},  # too few windows
+            {"workers": 8, "schedule": "default", "links": links(0.8, 2.0)},
+            {"workers": 8, "schedule": "wfbp", "links": links(0.7, None)},  # no period measured
+            {"workers": 4, "schedule": "wfbp", "links": links(0.5, 1.5)}]
+    launches = [{"workers": 4, "links": links(0.45, 1.2)}]
+    args = SimpleNamespace(share_cv=0.6, share_period=1.0)
+    got = measured_shares(runs, launches, [4, 8, 16], args)
+    assert got[(8, "partitioned")][:2] == pytest.approx((0.3, 0.5))
+    assert got[(8, "whole")][:2] == pytest.approx((0.8, 2.0))
+    assert got[(4, "whole")][:2] == pytest.approx((0.5, 1.5))
+    assert got[(4, "partitioned")][:2] == pytest.approx((0.45, 1.2)) and "launches" in got[(4, "partitioned")][2]
+    assert got[(16, "whole")] == (0.6, 1.0, "--share-cv/--share-period")
+    assert (16, "whole") not in measured_shares(runs, launches, [16], SimpleNamespace(share_cv=None, share_period=1.0))

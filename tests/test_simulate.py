@@ -342,3 +342,25 @@ def test_uneven_sharing_slows_many_keys_and_zero_cv_is_max_min_fair():
         ClusterSpec(2, 1, B, 0.0, share_cv=-0.1)
     with pytest.raises(ValueError, match="share_period_s"):
         ClusterSpec(2, 1, B, 0.0, share_period_s=0.0)
+
+
+@pytest.mark.parametrize("schedule", ["default", "wfbp", "imerge"])
+def test_uneven_sharing_after_an_idle_gap_keeps_time_moving_forward(schedule):
+    """Pushes start 3 ms into each iteration, after many share periods with nothing to push: the
+    first push must take the shares of the period it starts in (a share event dated in an earlier
+    period would run simulated time backwards). Each iteration still costs at least forward +
+    backward + both pushes and both results through the one server (4X), and every push starts
+    after its iteration's backward."""
+    startup = 0.1e-3
+    cluster = ClusterSpec(2, 1, B, startup, share_cv=0.8, share_period_s=0.2e-3, share_seed=3)
+    res = simulate(one_layer(), cluster, schedule, iterations=3)
+    assert all(t >= 3e-3 + 4 * X + startup - 1e-12 for t in res.iteration_times)
+    assert res.iteration_s <= 3e-3 + 4 * X + 2 * startup + 1e-12  # never slower than back-to-back sums
+    starts = [0.0]
+    for t in res.iteration_times:
+        starts.append(starts[-1] + t)
+    for r in range(2):
+        pushes = sorted(e.start for e in res.events("push", f"worker {r}"))
+        assert len(pushes) == 3
+        for it, t in enumerate(pushes):
+            assert t >= starts[it] + 3e-3 - 1e-12
