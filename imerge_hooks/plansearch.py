@@ -41,6 +41,7 @@ SMALL_BUCKETS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Partition sizes tried for the chosen plan (partitioned schedules), relative to the configured one.
 PARTITION_FACTORS = (1.0, 0.5, 0.25, 2.0)
 MIN_PARTITION_BYTES = 256 << 10
+SEARCH_ROUNDS = 4  # alternations of partition size and plan (search)
 TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by more than this
 
 
@@ -163,27 +164,48 @@ def partition_sizes(configured: int) -> list[int]:
 
 def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[list[list[int]], int], float],
            partition_bytes: int, partitioned: bool) -> tuple[Candidate, list[Candidate], int, str]:
-    """Score every candidate plan at ``partition_bytes``, then (partitioned schedules) the
-    best plan at other partition sizes. Returns the winner, all plan scores, the partition
-    size and a one-line explanation."""
-    scored = [Candidate(label, groups, score(groups, partition_bytes)) for label, groups in candidates]
-    best = pick(scored)
+    """Score every candidate plan at ``partition_bytes``; for partitioned schedules, then
+    alternate: the best plan at neighbouring partition sizes, and every plan again at the size
+    that won, until neither the size nor the plan changes (at most ``SEARCH_ROUNDS`` times).
+    Plan and partition size interact: finer partitions favour plans with fewer, larger groups
+    (measured in the simulator, ResNet-18 at W=8: the plan that wins at 4 MiB is 15% slower at
+    256 KiB than the one that wins there). Returns the winner, every plan's score at the chosen
+    size, the size and a one-line explanation."""
+    cache: dict[tuple[int, int], float] = {}
+
+    def rank(size: int) -> list[Candidate]:
+        out = []
+        for i, (label, groups) in enumerate(candidates):
+            if (i, size) not in cache:
+                cache[(i, size)] = score(groups, size)
+            out.append(Candidate(label, groups, cache[(i, size)]))
+        return out
+
     chosen_partition = partition_bytes
+    scored = rank(chosen_partition)
+    best = pick(scored)
     sizes_note = ""
     if partitioned:
-        sizes = partition_sizes(partition_bytes)
-        tried = [Candidate(f"{size >> 10} KiB", best.groups,
-                           best.iteration_s if size == partition_bytes else score(best.groups, size))
-                 for size in sizes]
-        winner = pick(tried)
-        chosen_partition = next(size for size, cand in zip(sizes, tried) if cand is winner)
-        best = Candidate(best.label, best.groups, winner.iteration_s)
-        sizes_note = "; partitions: " + ", ".join(f"{c.label} {c.iteration_s * 1e3:.2f} ms" for c in tried)
+        for _ in range(SEARCH_ROUNDS):
+            at = scored.index(best)
+            sizes = partition_sizes(chosen_partition)
+            tried = []
+            for size in sizes:
+                if (at, size) not in cache:
+                    cache[(at, size)] = score(best.groups, size)
+                tried.append(Candidate(f"{size >> 10} KiB", best.groups, cache[(at, size)]))
+            sizes_note = "; partitions: " + ", ".join(f"{c.label} {c.iteration_s * 1e3:.2f} ms" for c in tried)
+            size = sizes[tried.index(pick(tried))]
+            if size == chosen_partition:
+                break
+            chosen_partition = size
+            scored = rank(size)
+            best = pick(scored)
     note = (f"chosen by simulation: {best.label}, {len(best.groups)} groups"
             + (f", partitions of {chosen_partition >> 10} KiB" if partitioned else "")
             + f", {best.iteration_s * 1e3:.2f} ms/iteration; candidates: "
             + "; ".join(f"{c.label} ({len(c.groups)} groups) {c.iteration_s * 1e3:.2f} ms" for c in scored)
-            + sizes_note)
+            + sizes_note + f"; {len(cache)} simulations")
     return best, scored, chosen_partition, note
 
 

@@ -10,6 +10,7 @@ from imerge_hooks.config import Config
 from imerge_hooks.costmodel import LinearModel, PSModel
 from imerge_hooks.planner import plan
 from imerge_hooks.plansearch import (
+    MIN_PARTITION_BYTES,
     StartupScaled,
     choose_plan,
     cluster_for,
@@ -147,28 +148,40 @@ def test_partition_sizes_and_search_logic():
     assert partition_sizes(4 * MiB) == [4 * MiB, 2 * MiB, MiB, 8 * MiB]
     assert partition_sizes(256 * KiB) == [256 * KiB, 512 * KiB]  # never below MIN_PARTITION_BYTES
     cands = [("fused", [[0, 1, 2]]), ("pairs", [[0, 1], [2]]), ("unfused", [[0], [1], [2]])]
-    # Hand-made scores: "pairs" is fastest; smaller partitions help it by 10% (1 MiB) and 5% (2 MiB).
-    base = {"fused": 1.0, "pairs": 0.8, "unfused": 0.799}  # unfused within the tie tolerance of pairs
-    by_groups = {len(g): base[label] for label, g in cands}
-    factor = {4 * MiB: 1.0, 2 * MiB: 0.95, MiB: 0.9, 8 * MiB: 1.2}
+    # Hand-made scores. At 4 MiB "pairs" wins and likes 1 MiB best; at 1 MiB "unfused" overtakes
+    # it, and unfused likes 512 KiB best, where it stays the fastest plan: the search must end
+    # there (a plan-then-size search would stop at pairs, 1 MiB, 0.76).
+    table = {"pairs": {4 * MiB: 0.8, 2 * MiB: 0.78, MiB: 0.76, 8 * MiB: 0.9, 512 * KiB: 0.77, 256 * KiB: 0.8},
+             "unfused": {4 * MiB: 0.85, MiB: 0.7, 512 * KiB: 0.65, 256 * KiB: 0.66, 2 * MiB: 0.72}}
+    label_of = {len(g): label for label, g in cands}
+    calls = []
 
     def score(groups, partition):
-        return by_groups[len(groups)] * factor[partition]
+        calls.append((label_of[len(groups)], partition))
+        return table.get(label_of[len(groups)], {}).get(partition, 1.0)
 
     best, scored, partition, note = search(cands, score, 4 * MiB, partitioned=True)
-    assert best.label == "pairs" and partition == MiB
-    assert best.iteration_s == pytest.approx(0.72)
-    assert [c.iteration_s for c in scored] == pytest.approx([1.0, 0.8, 0.799])
-    assert "partitions of 1024 KiB" in note
-    best, _, partition, note = search(cands, score, 4 * MiB, partitioned=False)
+    assert best.label == "unfused" and partition == 512 * KiB
+    assert best.iteration_s == pytest.approx(0.65)
+    assert [c.iteration_s for c in scored] == pytest.approx([1.0, 0.77, 0.65])  # every plan at 512 KiB
+    assert "partitions of 512 KiB" in note
+    assert len(calls) == len(set(calls))  # no (plan, size) simulated twice
+    calls.clear()
+    best, scored, partition, note = search(cands, score, 4 * MiB, partitioned=False)
     assert best.label == "pairs" and partition == 4 * MiB and "partitions" not in note
+    assert len(calls) == 3
+    # A later plan must beat an earlier one by more than the tie tolerance.
+    tie = {"fused": 1.0, "pairs": 0.8, "unfused": 0.799}
+    best, *_ = search(cands, lambda g, p: tie[label_of[len(g)]], 4 * MiB, partitioned=False)
+    assert best.label == "pairs"
 
 
 def test_search_plan_reports_the_partition_it_chose():
     sizes, ready, names = ready_order_model(12, 6 * MiB, 10e-3)
     model = ps_model(4, 2, startup=2e-3)
     chosen, _ = search_plan(sizes, ready, names, model, Config(schedule="imerge"), 4, 2)
-    assert chosen.partition_bytes in partition_sizes(4 * MiB)
+    ratio = 4 * MiB / chosen.partition_bytes  # the configured size times a power of two, never below the floor
+    assert chosen.partition_bytes >= MIN_PARTITION_BYTES and ratio == 2 ** round(math.log2(ratio))
     assert f"partitions of {chosen.partition_bytes >> 10} KiB" in chosen.note
     unpartitioned, _ = search_plan(sizes, ready, names, model, Config(schedule="adaptive-ps"), 4, 2)
     assert unpartitioned.partition_bytes is None
@@ -176,5 +189,5 @@ def test_search_plan_reports_the_partition_it_chose():
     spec = model_spec_from_profile(sizes, ready, names)
     result = simulate(spec, cluster_for(model, 4, 2), "imerge", timeline=False)
     limit = result.plan.partition_bytes
-    assert limit in partition_sizes(4 * MiB)
+    assert limit == chosen.partition_bytes
     assert all(k.nbytes <= limit for k in result.keys)
