@@ -65,6 +65,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -161,17 +162,45 @@ def startup_for(workers: int, psmodels: dict, fallback: float) -> tuple[float, s
     return fallback, "fallback (no calibration)"
 
 
+SHARE_SEEDS = 3  # the uneven-sharing prediction is the mean over this many draws of the shares
+
+
 def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidth_Bps: float, startup_s: float,
                  time_scale: float, cost_model=None, timeline: bool = False, fabric_Bps: float | None = None,
-                 share: tuple[float, float] | None = None):
+                 share: tuple[float, float] | None = None, plan: dict | None = None, seed: int = 0):
+    """One simulated run; ``plan`` ({"groups", "partition_bytes"}, see :func:`engine_plan`) fixes the
+    plan instead of letting the simulator search one on this cluster."""
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
 
     spec = ModelSpec.from_profile_json(PROFILES / f"{model}-cpu.json")
     cv, period = share if share is not None else (0.0, 1.0)
     cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth_Bps * GOODPUT,
                           startup_s=startup_s, time_scale=time_scale, fabric_Bps=fabric_Bps,
-                          share_cv=cv, share_period_s=period)
-    return simulate(spec, cluster, schedule, cost_model=cost_model, timeline=timeline)
+                          share_cv=cv, share_period_s=period, share_seed=seed)
+    fixed = {}
+    if plan is not None:
+        fixed["groups"] = plan["groups"]
+        if plan.get("partition_bytes"):
+            fixed["partition_bytes"] = plan["partition_bytes"]
+    return simulate(spec, cluster, schedule, cost_model=cost_model, timeline=timeline, **fixed)
+
+
+def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scale: float,
+                cost_model) -> dict | None:
+    """The plan the engine's replan would install for a searched schedule (adaptive-ps, imerge):
+    the plan search on the cluster the calibrated cost model describes (``plansearch.cluster_for``,
+    as ``choose_plan`` does), not on the cluster being predicted. None for the other schedules
+    (their plans do not depend on the cluster) or without a calibrated model."""
+    from imerge_hooks.config import SCHEDULE_TRAITS
+    from imerge_hooks.plansearch import cluster_for
+    from imerge_hooks.simulate import ModelSpec, simulate
+
+    cluster = cluster_for(cost_model, workers, servers) if cost_model is not None else None
+    if SCHEDULE_TRAITS[schedule].planner != "optimal" or cluster is None:
+        return None
+    spec = ModelSpec.from_profile_json(PROFILES / f"{model}-cpu.json")
+    res = simulate(spec, replace(cluster, time_scale=time_scale), schedule, cost_model=cost_model, timeline=False)
+    return {"groups": res.groups, "partition_bytes": res.plan.partition_bytes if res.plan else None}
 
 
 def transfer_class(schedule: str) -> str:
@@ -937,24 +966,27 @@ def main(argv: list[str] | None = None) -> int:
             psm = psmodels.get(W)
             st, src = ((args.sim_startup_us * 1e-6, "--sim-startup-us") if args.sim_startup_us is not None
                        else startup_for(W, psmodels, FALLBACK_STARTUP_S))
-            p = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm)
+            plan = engine_plan(r["model"], W, S, r["schedule"], ts, psm)
+            p = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm, plan=plan)
             row = {"model": r["model"], "workers": W, "schedule": r["schedule"], "measured_s": r["iteration_s"],
                    "predicted_s": p.iteration_s, "error": (p.iteration_s - r["iteration_s"]) / r["iteration_s"],
                    "startup_s": st, "startup_source": src, "measured_groups": r.get("groups"),
-                   "predicted_groups": len(p.groups)}
+                   "predicted_groups": len(p.groups), "plan": "the engine's search" if plan else "the schedule's"}
             fab = doc.get("fabric", {}).get(str(W))
             if fab:
                 pf = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm,
-                                  fabric_Bps=fab["aggregate_Bps"])
+                                  fabric_Bps=fab["aggregate_Bps"], plan=plan)
                 row.update(fabric_Bps=fab["aggregate_Bps"], predicted_fabric_s=pf.iteration_s,
                            error_fabric=(pf.iteration_s - r["iteration_s"]) / r["iteration_s"])
                 share = shares.get((W, transfer_class(r["schedule"])))
                 if share is not None:
-                    ps = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm,
-                                      fabric_Bps=fab["aggregate_Bps"], share=share[:2])
+                    draws = [simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm,
+                                          fabric_Bps=fab["aggregate_Bps"], share=share[:2], plan=plan,
+                                          seed=seed).iteration_s for seed in range(SHARE_SEEDS)]
+                    predicted = statistics.fmean(draws)
                     row.update(share_cv=share[0], share_period_s=share[1], share_source=share[2],
-                               predicted_share_s=ps.iteration_s,
-                               error_share=(ps.iteration_s - r["iteration_s"]) / r["iteration_s"])
+                               predicted_share_s=predicted, predicted_share_draws_s=draws,
+                               error_share=(predicted - r["iteration_s"]) / r["iteration_s"])
             val.append(row)
         doc["validation"] = val
         variants = [("predicted_s", "error", "links only (the model of a real cluster)")]

@@ -242,8 +242,26 @@ def _ab_policies(engine, alternate: str | None) -> list[dict] | None:
         name, _, value = item.partition("=")
         if name not in a:
             raise SystemExit(f"--alternate: SchedulePolicy has no field {name!r} (fields: {sorted(a)})")
-        b[name] = None if value.lower() == "none" else int(value)
+        b[name] = _policy_value(name, value, a[name])
     return [a, b]
+
+
+def _policy_value(name: str, text: str, current: object) -> bool | int | None:
+    """``--alternate``'s value for one SchedulePolicy field: a bool field takes true/false/on/off/1/0,
+    the byte fields an int or ``none`` (no limit)."""
+    word = text.strip().lower()
+    if isinstance(current, bool):
+        if word in ("true", "on", "yes", "1"):
+            return True
+        if word in ("false", "off", "no", "0"):
+            return False
+        raise SystemExit(f"--alternate: {name} is true or false, got {text!r}")
+    if word == "none":
+        return None
+    try:
+        return int(word)
+    except ValueError:
+        raise SystemExit(f"--alternate: {name} is a byte count or none, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from imerge_hooks.costmodel import LinearModel, PSModel
 from imerge_hooks.planner import plan
 from imerge_hooks.plansearch import (
     MIN_PARTITION_BYTES,
+    PARTITION_TOLERANCE,
     StartupScaled,
     choose_plan,
     cluster_for,
@@ -170,6 +171,10 @@ def test_partition_sizes_and_search_logic():
     best, scored, partition, note = search(cands, score, 4 * MiB, partitioned=False)
     assert best.label == "pairs" and partition == 4 * MiB and "partitions" not in note
     assert len(calls) == 3
+    # Another partition size must win by more than PARTITION_TOLERANCE (per-message CPU is not simulated).
+    slight = {4 * MiB: 1.0, 2 * MiB: 1.0 - PARTITION_TOLERANCE / 2, MiB: 1.0 - PARTITION_TOLERANCE / 2}
+    best, _, partition, _ = search(cands[:1], lambda g, p: slight.get(p, 1.5), 4 * MiB, partitioned=True)
+    assert partition == 4 * MiB
     # A later plan must beat an earlier one by more than the tie tolerance.
     tie = {"fused": 1.0, "pairs": 0.8, "unfused": 0.799}
     best, *_ = search(cands, lambda g, p: tie[label_of[len(g)]], 4 * MiB, partitioned=False)

@@ -188,3 +188,9 @@ def test_alternate_policies_for_an_ab_in_one_plan():
     assert _ab_policies(SimpleNamespace(policy=SchedulePolicy()), "credit_bytes=1") is None  # not partitioned
     with pytest.raises(SystemExit, match="no field 'window'"):
         _ab_policies(engine, "window=1")
+    _, b = _ab_policies(engine, "priority=false,stagger=Off,tail_credit_bytes=1048576")
+    assert b["priority"] is False and b["stagger"] is False and b["tail_credit_bytes"] == 1 << 20
+    with pytest.raises(SystemExit, match="priority is true or false"):
+        _ab_policies(engine, "priority=2")
+    with pytest.raises(SystemExit, match="credit_bytes is a byte count or none"):
+        _ab_policies(engine, "credit_bytes=lots")
