@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import gc
 import json
 import os
@@ -242,26 +243,22 @@ def _ab_policies(engine, alternate: str | None) -> list[dict] | None:
         name, _, value = item.partition("=")
         if name not in a:
             raise SystemExit(f"--alternate: SchedulePolicy has no field {name!r} (fields: {sorted(a)})")
-        b[name] = _policy_value(name, value, a[name])
+        b[name] = _policy_value(name, value)
     return [a, b]
 
 
-def _policy_value(name: str, text: str, current: object) -> bool | int | None:
-    """``--alternate``'s value for one SchedulePolicy field: a bool field takes true/false/on/off/1/0,
-    the byte fields an int or ``none`` (no limit)."""
-    word = text.strip().lower()
-    if isinstance(current, bool):
-        if word in ("true", "on", "yes", "1"):
-            return True
-        if word in ("false", "off", "no", "0"):
-            return False
-        raise SystemExit(f"--alternate: {name} is true or false, got {text!r}")
-    if word == "none":
-        return None
+def _policy_value(name: str, text: str) -> bool | int | None:
+    """``--alternate``'s value for one SchedulePolicy field, parsed as the IMERGE_* env vars are
+    (``Config.from_env``): a bool field takes true/false/on/off/1/0, the byte fields an int or ``none``."""
+    from imerge_hooks.config import parse_value
+    from imerge_hooks.scheduler import SchedulePolicy
+
+    field_type = next(f.type for f in dataclasses.fields(SchedulePolicy) if f.name == name)
     try:
-        return int(word)
+        return parse_value(text, field_type)
     except ValueError:
-        raise SystemExit(f"--alternate: {name} is a byte count or none, got {text!r}") from None
+        what = "true or false" if field_type == "bool" else "a byte count or none"
+        raise SystemExit(f"--alternate: {name} is {what}, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

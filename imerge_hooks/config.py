@@ -106,7 +106,7 @@ class Config:
         for name in known:
             env = os.environ.get("IMERGE_" + name.upper())
             if env is not None and name not in overrides:
-                values[name] = _parse(name, env, known[name].type)
+                values[name] = _env_value(name, env, known[name].type)
         for name, value in overrides.items():
             if name not in known:
                 raise TypeError(f"IMerge: unknown config option {name!r}; known options: {', '.join(sorted(known))}")
@@ -117,22 +117,28 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
-def _parse(name: str, text: str, type_name: Any) -> Any:
-    type_text = str(type_name)
+def _env_value(name: str, text: str, type_name: Any) -> Any:
     try:
-        if "bool" in type_text:
-            low = text.strip().lower()
-            if low in ("", "none") and "None" in type_text:
-                return None
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if type_text.startswith("int"):
-            return None if text.strip().lower() in ("", "none") and "None" in type_text else int(text)
-        if type_text.startswith("float"):
-            return float(text)
-        return text
+        return parse_value(text, type_name)
     except ValueError:
-        raise ValueError(f"IMerge: env var IMERGE_{name.upper()}={text!r} is not a valid {type_text}") from None
+        raise ValueError(f"IMerge: env var IMERGE_{name.upper()}={text!r} is not a valid {type_name}") from None
+
+
+def parse_value(text: str, type_name: Any) -> Any:
+    """``text`` as a value of the annotated type ``type_name`` (e.g. ``"bool"``, ``"int | None"``):
+    bools from 1/true/yes/on and 0/false/no/off, ``none`` or empty for an optional; ValueError else."""
+    type_text = str(type_name)
+    if "bool" in type_text:
+        low = text.strip().lower()
+        if low in ("", "none") and "None" in type_text:
+            return None
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(text)
+    if type_text.startswith("int"):
+        return None if text.strip().lower() in ("", "none") and "None" in type_text else int(text)
+    if type_text.startswith("float"):
+        return float(text)
+    return text
