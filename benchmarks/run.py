@@ -228,13 +228,13 @@ def measured_shares(runs: list[dict], launches: list[dict], workers: list[int],
     """
     out = {}
     for W in workers:
-        whole_launches = [li["links"] for li in launches if li.get("workers") == W and _monitored(li.get("links"))]
+        per_launch = [li["links"] for li in launches if li.get("workers") == W and _monitored(li.get("links"))]
         for cls in ("partitioned", "whole"):
             got = [r["links"] for r in runs if r.get("workers") == W and transfer_class(r["schedule"]) == cls
                    and _monitored(r.get("links"))]
             src = f"link monitor, median of {len(got)} {cls} runs"
             if not got:
-                got, src = whole_launches, f"link monitor, median of {len(whole_launches)} launches"
+                got, src = per_launch, f"link monitor, median of {len(per_launch)} launches"
             if got:
                 out[(W, cls)] = (statistics.median(g["connection_share_cv"] for g in got),
                                  statistics.median(g["share_period_s"] for g in got), src)

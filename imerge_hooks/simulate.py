@@ -664,12 +664,8 @@ class _Sim:
         self._net_advance()
         if m.push and self.share_cv > 0.0:
             if self.share_event_at == math.inf:  # no push was flowing: shares of the period we are in now
-                epoch = int(self.now / self.share_period + 1e-9)
-                if epoch != self.share_epoch:
-                    self.share_epoch = epoch
-                    self.share_weights.clear()
-                self.share_event_at = (self.share_epoch + 1) * self.share_period
-                self._push_event(self.share_event_at, _EV_SHARE, None)
+                self._enter_share_period()
+                self._schedule_share_event()
             m.weight = self._share_weight(m.worker, m.server)
         m.remaining = float(m.nbytes)
         m.rate = 0.0
@@ -701,19 +697,28 @@ class _Sim:
                 self.share_cv, self.share_seed, self.share_epoch, worker, server)
         return w
 
+    def _enter_share_period(self) -> None:
+        """Take the share period ``now`` is in; a new period draws new weights."""
+        epoch = int(self.now / self.share_period + 1e-9)
+        if epoch != self.share_epoch:
+            self.share_epoch = epoch
+            self.share_weights.clear()
+
+    def _schedule_share_event(self) -> None:
+        self.share_event_at = (self.share_epoch + 1) * self.share_period
+        self._push_event(self.share_event_at, _EV_SHARE, None)
+
     def _new_shares(self) -> None:
         """A share period ended: active pushes get this period's weights (the next event only while pushes flow)."""
         self._net_advance()
-        self.share_epoch = int(self.now / self.share_period + 1e-9)
-        self.share_weights.clear()
+        self._enter_share_period()
         pushes = [f for f in self.flows.values() if f.push]
         for f in pushes:
             f.weight = self._share_weight(f.worker, f.server)
         self.net_dirty = True
         self.share_event_at = math.inf
         if pushes:
-            self.share_event_at = (self.share_epoch + 1) * self.share_period
-            self._push_event(self.share_event_at, _EV_SHARE, None)
+            self._schedule_share_event()
 
     def _reschedule_net(self) -> None:
         self._net_advance()
