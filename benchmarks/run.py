@@ -723,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     keep = args.resume and all(same.get(k) == config[k] for k in ("servers", "bandwidth", "time_scale", "iters",
                                                                    "warmup", "profile_steps", "rank_env"))
     measured_runs: list[dict] = doc.get("measured", {}).get("runs", []) if keep else []
+    for r in measured_runs:  # a resumed file may hold models that --models leaves out: keep their runs
+        if r["model"] not in facts:
+            facts[r["model"]] = model_facts(r["model"], ts)
     launches: list[dict] = doc.get("measured", {}).get("launches", []) if keep else []
     baseline_runs: dict = doc.get("measured", {}).get("baseline", {}) if keep else {}
     fabric_kept = doc.get("fabric", {}) if keep else {}

@@ -151,3 +151,21 @@ def test_share_model_per_transfer_class():
     assert got[(4, "partitioned")][:2] == pytest.approx((0.45, 1.2)) and "launches" in got[(4, "partitioned")][2]
     assert got[(16, "whole")] == (0.6, 1.0, "--share-cv/--share-period")
     assert (16, "whole") not in measured_shares(runs, launches, [16], SimpleNamespace(share_cv=None, share_period=1.0))
+
+
+def test_resume_with_fewer_models_keeps_the_others(tmp_path):
+    """``--resume --models M`` on a file that also holds other models' runs (as when one model's
+    timeline is added to a grid) keeps those runs and computes their bound, instead of failing."""
+    runs = [{"model": m, "schedule": "default", "workers": 2, "servers": 2, "batch_size": 8, "iters": 2,
+             "iteration_s": s, "samples_per_s": 16 / s} for m, s in (("alexnet", 4.0), ("resnet18", 2.0))]
+    config = {"servers": 2, "bandwidth": "1gbit", "time_scale": 1.0, "iters": 2, "warmup": 1, "profile_steps": 2,
+              "rank_env": {}}
+    (tmp_path / "res.json").write_text(json.dumps({"config": config, "measured": {"runs": runs}}))
+    proc = _run([sys.executable, str(SCRIPT), "--resume", "--no-measure", "--models", "alexnet", "--workers", "2",
+                 "--sim-workers", "4", "--validate-workers", "2", "--fusion-schedules", "", "--schedules", "default",
+                 "--out-dir", str(tmp_path), "--name", "res"], timeout=240)
+    out = _output(proc)
+    assert proc.returncode == 0, out
+    kept = {r["model"]: r for r in json.loads((tmp_path / "res.json").read_text())["measured"]["runs"]}
+    assert set(kept) == {"alexnet", "resnet18"}, out
+    assert all(r["bound_s"] > 0 and r["efficiency"] > 0 for r in kept.values()), out
