@@ -203,6 +203,18 @@ def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scal
     return {"groups": res.groups, "partition_bytes": res.plan.partition_bytes if res.plan else None}
 
 
+def validation_plan(run: dict, servers: int, time_scale: float, cost_model) -> tuple[dict | None, str]:
+    """The plan a measured run is validated with, and where it comes from: the plan the launch
+    installed (``worker_replay`` reports it), else, for runs measured before it did, the one
+    :func:`engine_plan` re-derives (which can differ: the search saw another profile, or the launch
+    set ``IMERGE_PLAN_SEARCH`` / ``IMERGE_PARTITION_BYTES``), else the schedule's own."""
+    installed = run.get("plan")
+    if installed and installed.get("groups"):
+        return installed, "installed"
+    plan = engine_plan(run["model"], run["workers"], servers, run["schedule"], time_scale, cost_model)
+    return plan, "the engine's search" if plan else "the schedule's"
+
+
 def transfer_class(schedule: str) -> str:
     """How a schedule's pushes share a server's port: "partitioned" (credit-limited partitions) or
     "whole" (whole-group messages). TCP incast shares a port far more unevenly, and for longer, under
@@ -969,12 +981,12 @@ def main(argv: list[str] | None = None) -> int:
             psm = psmodels.get(W)
             st, src = ((args.sim_startup_us * 1e-6, "--sim-startup-us") if args.sim_startup_us is not None
                        else startup_for(W, psmodels, FALLBACK_STARTUP_S))
-            plan = engine_plan(r["model"], W, S, r["schedule"], ts, psm)
+            plan, plan_source = validation_plan(r, S, ts, psm)
             p = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm, plan=plan)
             row = {"model": r["model"], "workers": W, "schedule": r["schedule"], "measured_s": r["iteration_s"],
                    "predicted_s": p.iteration_s, "error": (p.iteration_s - r["iteration_s"]) / r["iteration_s"],
                    "startup_s": st, "startup_source": src, "measured_groups": r.get("groups"),
-                   "predicted_groups": len(p.groups), "plan": "the engine's search" if plan else "the schedule's"}
+                   "predicted_groups": len(p.groups), "plan": plan_source}
             fab = doc.get("fabric", {}).get(str(W))
             if fab:
                 pf = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm,

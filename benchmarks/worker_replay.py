@@ -195,10 +195,11 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
     durations = [b - a for a, b in zip(starts, starts[1:] + [end])]
     mine = {"durations": durations, "elapsed": end - starts[0], "forward_s": statistics.median(fwd_s),
             "backward_s": statistics.median(bwd_s), "cpu_s_per_iter": cpu / args.iters}
-    n_groups = n_keys = None
+    n_groups = n_keys = installed = None
     if not local:
         n_groups = len(engine.groups)
         n_keys = sum(len(g.keys) for g in engine.groups)
+        installed = installed_plan(engine)
         everyone = worker_comm.gather(mine, root=0) if worker_comm is not None else [mine]
         _retire(opt)
     else:
@@ -226,11 +227,20 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
         "backward_s": statistics.mean(w["backward_s"] for w in everyone),
         "worker_cpu_s_per_iter": statistics.mean(w["cpu_s_per_iter"] for w in everyone),
         "worker_iteration_s": [w["elapsed"] / args.iters for w in everyone],
-        "groups": n_groups, "keys": n_keys,
+        "groups": n_groups, "keys": n_keys, "plan": installed,
         **({"alternate": {"policies": policies,
                           "a_s": [per_iter[i] for i in range(1, args.iters, 4)],
                           "b_s": [per_iter[i] for i in range(3, args.iters, 4)]}} if policies else {}),
     }
+
+
+def installed_plan(engine) -> dict:
+    """The plan the engine ran: its groups (parameter indices in registration order, which are the
+    profile's tensor order and so the simulator's) in send order, and the partition size of
+    partitioned schedules (None otherwise). ``run.py`` simulates exactly this plan."""
+    partitioned = engine.cfg.traits.partition
+    return {"groups": [list(g.members) for g in engine.groups],
+            "partition_bytes": engine.partition_bytes if partitioned else None}
 
 
 def _ab_policies(engine, alternate: str | None) -> list[dict] | None:

@@ -169,3 +169,37 @@ def test_resume_with_fewer_models_keeps_the_others(tmp_path):
     kept = {r["model"]: r for r in json.loads((tmp_path / "res.json").read_text())["measured"]["runs"]}
     assert set(kept) == {"alexnet", "resnet18"}, out
     assert all(r["bound_s"] > 0 and r["efficiency"] > 0 for r in kept.values()), out
+
+
+def test_validation_simulates_the_installed_plan():
+    """A run that reports the plan its engine installed is validated with that plan; older runs
+    fall back to the engine's search re-derived on the calibrated model, or the schedule's own."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.run import simulate_one, validation_plan
+    from imerge_hooks.simulate import ModelSpec
+
+    installed = {"groups": [list(range(15, 16)), list(range(0, 15))], "partition_bytes": 1 << 20}
+    run = {"model": "alexnet", "workers": 4, "schedule": "imerge", "plan": installed}
+    assert validation_plan(run, 2, 1.0, None) == (installed, "installed")
+    assert validation_plan({**run, "plan": None}, 2, 1.0, None) == (None, "the schedule's")  # no cost model
+    assert validation_plan({**run, "schedule": "wfbp", "plan": None}, 2, 1.0, None) == (None, "the schedule's")
+    spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / "alexnet-cpu.json")
+    assert len(spec.tensor_bytes) == 16
+    res = simulate_one("alexnet", 4, 2, "imerge", 125e6, 1e-4, 0.1, plan=installed)
+    assert res.groups == installed["groups"]
+    assert max(k.nbytes for k in res.keys) <= 1 << 20  # the installed partition size, not the default 4 MiB
+
+
+def test_installed_plan_reports_groups_and_partition():
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.worker_replay import installed_plan
+
+    def engine(partition: bool) -> SimpleNamespace:
+        traits = SimpleNamespace(partition=partition)
+        return SimpleNamespace(groups=[SimpleNamespace(members=[3, 2]), SimpleNamespace(members=(1, 0))],
+                               partition_bytes=2 << 20, cfg=SimpleNamespace(traits=traits))
+
+    assert installed_plan(engine(True)) == {"groups": [[3, 2], [1, 0]], "partition_bytes": 2 << 20}
+    assert installed_plan(engine(False))["partition_bytes"] is None
