@@ -238,9 +238,7 @@ def installed_plan(engine) -> dict:
     """The plan the engine ran: its groups (parameter indices in registration order, which are the
     profile's tensor order and so the simulator's) in send order, and the partition size of
     partitioned schedules (None otherwise). ``run.py`` simulates exactly this plan."""
-    partitioned = engine.cfg.traits.partition
-    return {"groups": [list(g.members) for g in engine.groups],
-            "partition_bytes": engine.partition_bytes if partitioned else None}
+    return {"groups": [list(g.members) for g in engine.groups], "partition_bytes": engine.partition_limit}
 
 
 def _ab_policies(engine, alternate: str | None) -> list[dict] | None:

@@ -214,7 +214,7 @@ class GradientEngine:
             if swap:
                 for i, (_, off, n) in zip(members, spans):
                     spare[i] = result[off:off + n].view_as(self.params[i])
-            ranges = cut_keys(total, wire.itemsize, self._partition_limit(), self.topo.num_servers)
+            ranges = cut_keys(total, wire.itemsize, self.partition_limit, self.topo.num_servers)
             keys = []
             for start, end in ranges:
                 nbytes = (end - start) * wire.itemsize
@@ -236,7 +236,9 @@ class GradientEngine:
                      self.topo.worker_rank, self.epoch, len(groups), sum(len(g.keys) for g in groups),
                      placement.balance())
 
-    def _partition_limit(self) -> int | None:
+    @property
+    def partition_limit(self) -> int | None:
+        """The key size limit of this plan: ``partition_bytes`` for partitioned schedules, else None."""
         return self.partition_bytes if self.cfg.traits.partition else None
 
     def _count_keys(self, plan: list[list[int]]) -> int:
@@ -244,7 +246,7 @@ class GradientEngine:
         for members in plan:
             total = sum(self.params[i].numel() for i in members)
             size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
-            count += len(cut_keys(total, size, self._partition_limit(), self.topo.num_servers))
+            count += len(cut_keys(total, size, self.partition_limit, self.topo.num_servers))
         return count
 
     # ------------------------------------------------------------------ backward

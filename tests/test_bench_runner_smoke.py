@@ -196,10 +196,9 @@ def test_installed_plan_reports_groups_and_partition():
     sys.path.insert(0, str(REPO))
     from benchmarks.worker_replay import installed_plan
 
-    def engine(partition: bool) -> SimpleNamespace:
-        traits = SimpleNamespace(partition=partition)
+    def engine(partition_limit: int | None) -> SimpleNamespace:
         return SimpleNamespace(groups=[SimpleNamespace(members=[3, 2]), SimpleNamespace(members=(1, 0))],
-                               partition_bytes=2 << 20, cfg=SimpleNamespace(traits=traits))
+                               partition_limit=partition_limit)
 
-    assert installed_plan(engine(True)) == {"groups": [[3, 2], [1, 0]], "partition_bytes": 2 << 20}
-    assert installed_plan(engine(False))["partition_bytes"] is None
+    assert installed_plan(engine(2 << 20)) == {"groups": [[3, 2], [1, 0]], "partition_bytes": 2 << 20}
+    assert installed_plan(engine(None))["partition_bytes"] is None
