@@ -155,7 +155,7 @@ class IMergeHookState:
             decision = choose_plan(sizes, ready, names, model, self.cfg, self.topo.num_workers,
                                    self.topo.num_servers,
                                    dtypes=[str(self.groups[b].flat.dtype) for b in order]).groups
-        decision = self.topo.worker_comm.bcast(decision, root=0)
+        decision = runtime.from_worker0(decision, "the merged-bucket plan")
         placement = Placement(self.topo.num_servers)
         merged, keys = [], []
         for gi, members in enumerate(decision):

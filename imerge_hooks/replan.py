@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from . import runtime
 from .costmodel import CostModel, LinearModel
 from .flowcontrol import tail_start_group
 from .planner import Plan
@@ -59,7 +60,7 @@ class Replanner:
                                  dtypes=dtypes, forward_times=self.profile.forward_times)
             tail = self._tail_group([[order[j] for j in group] for group in result.groups])
             decision = (order, result, tail)
-        order, result, tail = topo.worker_comm.bcast(decision, root=0) if topo.num_workers > 1 else decision
+        order, result, tail = runtime.from_worker0(decision, f"the {self.method} plan")
         self.plan = result
         groups = [[order[j] for j in group] for group in result.groups]
         engine.set_layout(groups, partition_bytes=result.partition_bytes, tail_group=tail)

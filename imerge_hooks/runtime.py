@@ -18,7 +18,7 @@ from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeT
 from .polling import Backoff
 from .scheduler import CommThread
 from .topology import Topology, build_topology
-from .transport import TAG_CONTROL, TAG_REPLY, TAG_TIMELINE, KeySpec, table_to_wire
+from .transport import TAG_CONTROL, TAG_DECISION, TAG_REPLY, TAG_TIMELINE, KeySpec, table_to_wire
 
 log = logging.getLogger("imerge")
 
@@ -239,18 +239,47 @@ def register_keys(client: int, keys: list[KeySpec]) -> int:
 
 
 def _recv_with_timeout(comm: MPI.Comm, source: int, tag: int, what: str) -> Any:
-    request = comm.irecv(source=source, tag=tag)
+    """A pickled message of any size, polled with back-off (no spinning) until the timeout.
+
+    A matched probe, not ``irecv``: mpi4py's ``irecv`` without a buffer truncates messages
+    over 32 KiB (a server's timeline, a large plan)."""
     deadline = time.monotonic() + config().timeout_s
     backoff = Backoff()
     while True:
-        done, value = request.test()
-        if done:
-            return value
+        message = comm.improbe(source=source, tag=tag)
+        if message is not None:
+            return message.recv()
         if time.monotonic() > deadline:
-            request.Cancel()
             raise IMergeTimeoutError(f"IMerge worker {topology().worker_rank}: waited {config().timeout_s:.0f} s for "
                                      f"{what}; some worker did not reach the same point, or a server is gone")
         backoff.idle()
+
+
+def from_worker0(value: Any, what: str) -> Any:
+    """Worker 0's ``value`` on every worker (collective over workers; others pass anything).
+
+    Used where worker 0 computes something the others wait for, such as the fusion plan
+    (seconds of simulation). MPICH's blocking ``bcast`` polls a core at full speed; on a host
+    with more ranks than cores the waiting workers would starve worker 0's computation (W=16
+    on 2 cores: the plan search took about 2 minutes instead of 7 s). Here they wait with
+    back-off, and time out naming ``what`` instead of hanging if worker 0 never sends.
+    """
+    topo = topology()
+    if topo.num_workers == 1:
+        return value
+    comm = topo.worker_comm
+    if topo.worker_rank != 0:
+        return _recv_with_timeout(comm, 0, TAG_DECISION, f"{what} from worker 0")
+    requests = [comm.isend(value, dest=r, tag=TAG_DECISION) for r in range(1, topo.num_workers)]
+    deadline = time.monotonic() + config().timeout_s
+    backoff = Backoff()
+    while requests:
+        requests = [r for r in requests if not r.test()[0]]
+        if requests and time.monotonic() > deadline:
+            raise IMergeTimeoutError(f"IMerge worker 0: {len(requests)} worker(s) did not take {what} within "
+                                     f"{config().timeout_s:.0f} s")
+        backoff.idle()
+    return value
 
 
 def _control_all(message: dict) -> None:

@@ -39,6 +39,9 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   one; head-of-line: the next key waits until it fits); credit returns when a push has been
   delivered to the server. Non-partitioned schedules have no credit limit. A started push is
   queued on its connection (below), so priority reorders only what waits for credit.
+  With ``ClusterSpec.worker_message_s`` > 0 the worker's comm thread is a serial resource:
+  posting a push and handling a result each take it that long, in the order they come (a push
+  flows only once posted; a result counts, and returns its window, only once handled).
   Partitioned schedules also keep at most ``result_window_bytes`` of pushes whose results
   have not come back, with the runtime's own :class:`~imerge_hooks.flowcontrol.ReadyQueue`
   (which may push an earlier key of the order all workers share instead; no backstop timer).
@@ -200,6 +203,11 @@ class ClusterSpec:
     measures it: 88-97% of the links' TCP goodput on netlab). ``share_cv``/``share_period_s``: how
     unevenly pushes into one server share its ingress, and for how long a share persists (0: max-min
     fair; the module doc has the model; ``benchmarks/netlab/linkmon.py`` measures both).
+    ``worker_message_s``: wall time of a worker's comm thread per message (posting a push, or
+    handling a result), one message at a time per worker; 0 (the default): free. A what-if knob:
+    a serial per-message cost is hidden behind the network until it fills the thread (ResNet-18
+    at W=16, 198 keys: no change up to 8 ms, twice the iteration at 50 ms), so it cannot explain
+    the gradual cost of many keys on an oversubscribed host (``benchmarks/results/NOTES-session10.md``).
     """
 
     workers: int
@@ -211,6 +219,7 @@ class ClusterSpec:
     share_cv: float = 0.0
     share_period_s: float = 1.0
     share_seed: int = 0
+    worker_message_s: float = 0.0
 
     def __post_init__(self) -> None:
         for what in ("workers", "servers"):
@@ -219,7 +228,7 @@ class ClusterSpec:
                 raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be an int >= 1, got {v!r}")
             object.__setattr__(self, what, int(v))
         for what, positive in (("bandwidth_Bps", True), ("startup_s", False), ("time_scale", True),
-                               ("share_cv", False), ("share_period_s", True)):
+                               ("share_cv", False), ("share_period_s", True), ("worker_message_s", False)):
             v = getattr(self, what)
             ok = (not isinstance(v, bool) and isinstance(v, numbers.Real) and math.isfinite(v)
                   and (v > 0 if positive else v >= 0))
@@ -353,7 +362,7 @@ class SimResult:
 
 # ---------------------------------------------------------------------------------- engine
 _FWD, _BWD, _GATE, _FLUSH, _MARK = range(5)
-_EV_COMPUTE, _EV_NET, _EV_CPU, _EV_SHARE = range(4)
+_EV_COMPUTE, _EV_NET, _EV_CPU, _EV_SHARE, _EV_POSTED, _EV_HANDLED = range(6)
 
 
 @dataclass(eq=False, slots=True)
@@ -400,8 +409,10 @@ class _Sim:
                  result_window: int | None = None,
                  record: bool = True, fabric: float | None = None, share_cv: float = 0.0,
                  share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
-                 tail_credit: int | None = None) -> None:
+                 tail_credit: int | None = None, worker_message: float = 0.0) -> None:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
+        self.worker_message = float(worker_message)
+        self.thread_free = [0.0] * workers  # when each worker's comm thread is next free (worker_message > 0)
         self.fabric = None if fabric is None else float(fabric)
         self.share_cv = float(share_cv)
         self.share_period, self.share_seed = float(share_period), int(share_seed)
@@ -495,6 +506,10 @@ class _Sim:
                 self._net_event()
             elif code == _EV_SHARE:
                 self._new_shares()
+            elif code == _EV_POSTED:
+                self._send(payload)
+            elif code == _EV_HANDLED:
+                self._result_handled(payload)
             else:
                 self._cpu_done(*payload)
         stuck = [r for r, w in enumerate(self.workers) if w.ptr < len(self.ops)]
@@ -594,7 +609,17 @@ class _Sim:
             nbytes = self.key_bytes[k]
             windows.started(nbytes, w.key_order[k], self.now)
             s = self.key_server[k]
-            self._send(_Msg(True, r, s, k, nbytes, (r, 2 * self.W + s)))
+            m = _Msg(True, r, s, k, nbytes, (r, 2 * self.W + s))
+            if self.worker_message > 0.0:
+                self._push_event(self._thread_slot(r), _EV_POSTED, m)
+            else:
+                self._send(m)
+
+    def _thread_slot(self, r: int) -> float:
+        """Book ``worker_message`` of worker r's comm thread; returns when that work ends."""
+        end = max(self.now, self.thread_free[r]) + self.worker_message
+        self.thread_free[r] = end
+        return end
 
     # ------------------------------------------------------------------ servers
     def _cpu_done(self, s: int, k: int, r: int) -> None:
@@ -634,15 +659,21 @@ class _Sim:
                 self.timeline.append(Event(self.strack[s], f"sum key {m.key} from worker {m.worker}",
                                            start, end, "update"))
             self._push_event(end, _EV_CPU, (s, m.key, m.worker))
+        elif self.worker_message > 0.0:
+            self._push_event(self._thread_slot(m.worker), _EV_HANDLED, m)
         else:
-            w = self.workers[m.worker]
-            w.windows.resulted(m.nbytes, w.key_order[m.key], self.now)
-            self._pump(m.worker)
-            g = self.key_group[m.key]
-            left = self.pending[m.worker][g] - 1
-            self.pending[m.worker][g] = left
-            if left == 0:
-                self._group_done(m.worker, g)
+            self._result_handled(m)
+
+    def _result_handled(self, m: _Msg) -> None:
+        """Worker ``m.worker``'s comm thread has handled result ``m``."""
+        w = self.workers[m.worker]
+        w.windows.resulted(m.nbytes, w.key_order[m.key], self.now)
+        self._pump(m.worker)
+        g = self.key_group[m.key]
+        left = self.pending[m.worker][g] - 1
+        self.pending[m.worker][g] = left
+        if left == 0:
+            self._group_done(m.worker, g)
 
     # ------------------------------------------------------------------ network (fluid, max-min fair)
     def _net_advance(self) -> None:
@@ -834,7 +865,8 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 result_window=result_window,
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
                 fabric=cluster.fabric_Bps, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
-                share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit)
+                share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
+                worker_message=cluster.worker_message_s)
 
 
 # ---------------------------------------------------------------------------------- public API

@@ -7,6 +7,8 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
 * ``TAG_REPLY`` server -> worker, pickled dict: ``ack`` / ``error`` answers to ``register``.
 * ``TAG_ERROR`` server -> worker, pickled dict: an asynchronous error (bad push, stall).
 * ``TAG_TIMELINE`` server -> worker 0 at shutdown, pickled timeline events (``IMERGE_TIMELINE``).
+* ``TAG_DECISION`` worker 0 -> the other workers (on the workers' communicator), a pickled
+  decision such as the fusion plan (``runtime.from_worker0``).
 * ``KEY_TAG_BASE + key``: raw bytes of one key, worker -> server (push) and the averaged
   result (sum / W, scaled by the server as it adds) server -> worker (pull). The worker
   posts the ``Irecv`` for the result before the ``Isend`` of the push. One outstanding push
@@ -26,6 +28,7 @@ TAG_CONTROL = 1
 TAG_REPLY = 2
 TAG_ERROR = 3
 TAG_TIMELINE = 4
+TAG_DECISION = 5
 KEY_TAG_BASE = 16
 
 SUPPORTED_DTYPES = {

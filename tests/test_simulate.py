@@ -43,6 +43,33 @@ def test_one_layer_one_worker_is_compute_plus_startup_plus_push_and_pull(schedul
     assert res.throughput == approx(1 * 8 / expected)
 
 
+@pytest.mark.parametrize("schedule", ["wfbp", "imerge"])
+def test_worker_message_cost_is_serial_per_push_and_per_result(schedule):
+    startup, cost = 0.25e-3, 0.4e-3
+    res = simulate(one_layer(), ClusterSpec(1, 1, B, startup, worker_message_s=cost), schedule)
+    # Posting the push and handling the result each take the comm thread `cost`.
+    assert res.iteration_s == approx(1e-3 + 2e-3 + cost + startup + 2 * X + cost)
+
+
+def test_worker_message_cost_hides_behind_the_network_until_it_fills_the_thread():
+    startup = 0.25e-3
+
+    def four_keys(cost: float) -> float:  # imerge, one worker and server, 4 keys of 256 KiB
+        res = simulate(one_layer(), ClusterSpec(1, 1, B, startup, worker_message_s=cost), "imerge",
+                       partition_bytes=256 * KiB, plan_search=False)
+        assert len(res.keys) == 4
+        return res.iteration_s
+
+    # Posting (0.1 ms) is faster than a key's transfer (X/4 = 0.26 ms): each post ends before the
+    # previous push has arrived, so only the first post and the last result's handling add time.
+    assert four_keys(0.1e-3) == approx(four_keys(0.0) + 2 * 0.1e-3)
+    # Posting slower than the network (0.4 ms): the thread posts all four keys (credit allows), then
+    # handles the four results, which have arrived meanwhile: 8 messages in a row.
+    assert four_keys(0.4e-3) == approx(1e-3 + 2e-3 + 8 * 0.4e-3)
+    with pytest.raises(ValueError, match="worker_message_s"):
+        ClusterSpec(1, 1, B, startup, worker_message_s=-1.0)
+
+
 # ------------------------------------------------------------------------------ (1b) shared fabric
 def test_fabric_cap_is_a_link_that_every_flow_crosses():
     startup = 0.25e-3
