@@ -94,36 +94,6 @@ def _retire(opt) -> None:
     runtime.register_keys(engine.client, [])
     st.tables.pop(engine.client, None)
     engine.close()  # hooks, callbacks and buffers (one arena each for gradients and results)
-    _flush_comm_thread()
-
-
-def _flush_comm_thread() -> None:
-    """Send one 4-byte key through the comm thread (collective over workers).
-
-    Works around an engine retention: ``scheduler.CommThread._run`` keeps the last group, task
-    and in-flight op it handled in its frame's locals (``item``, ``group``, ``task``, ``op``),
-    so a retired engine's flat and result buffers stay alive until the next group goes
-    through; with a one-group plan (mgwfbp on VGG-16) that is 2x the gradient bytes per worker,
-    which ran an 8-worker VGG-16 launch out of RAM. Pushing a tiny group replaces them.
-    """
-    from imerge_hooks import runtime
-    from imerge_hooks.layout import Group
-    from imerge_hooks.scheduler import SchedulePolicy
-    from imerge_hooks.transport import KeySpec
-
-    comm = runtime.comm_thread()
-    if comm is None:
-        return
-    client = runtime.new_client_id()
-    (key,) = runtime.allocate_keys(1)
-    spec = KeySpec(key, 4, "float32", 0, ("bench.flush",))
-    group = Group(index=0, flat=torch.zeros(1), result=torch.empty(1), keys=[spec], key_ranges=[(0, 1)],
-                  priority=0, names=("bench.flush",))
-    runtime.register_keys(client, [spec])
-    comm.submit(group, SchedulePolicy())
-    comm.wait(group, "while flushing the comm thread ")
-    runtime.register_keys(client, [])
-    runtime._state.tables.pop(client, None)
 
 
 def share_parameters(model: torch.nn.Module, path: str) -> None:

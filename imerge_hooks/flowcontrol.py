@@ -160,13 +160,14 @@ class ReadyQueue:
         return None
 
     def _pop(self, entry: list) -> Any:
+        item, entry[0] = entry[0], None  # the taken entry may linger in the other heap: not its item
         entry[3] = True
         self._count -= 1
         for heap in (self._schedule, self._shared):  # drop taken entries now and then (lazy deletion)
             if len(heap) > 2 * self._count + 64:
                 heap[:] = [e for e in heap if not e[2][3]]
                 heapq.heapify(heap)
-        return entry[0]
+        return item
 
 
 def _top(heap: list[list]) -> list | None:

@@ -121,6 +121,8 @@ class CommThread:
 
     # ------------------------------------------------------------------ thread body
     def _run(self) -> None:
+        """The thread's loop. Its steps are methods, so that no local variable of this frame keeps
+        the last group, task or request alive after the engine that owns it is gone."""
         ready = ReadyQueue()
         inflight: dict[int, _InFlight] = {}  # id(op) -> op
         # Pushes to one server complete in order; results come back roughly in push order.
@@ -132,63 +134,18 @@ class CommThread:
         try:
             while True:
                 # 1. take new groups
-                block = not ready and not inflight
-                while block or not self._queue.empty():
-                    try:
-                        item = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
-                    except queue.Empty:
-                        continue
-                    block = False
-                    if item is None:
-                        self._stopped.set()
-                        return
-                    group, policy = item
-                    windows.configure(policy.credit_bytes, policy.result_window_bytes, policy.tail_credit_bytes)
-                    if group.tail_keys:
-                        windows.begin_tail(group.tail_keys)
-                    self._expand(group, policy, ready)
-                # 2. start tasks within the credit and result windows
-                progressed = False
-                now = time.monotonic()
-                while ready and (task := ready.take(windows, now)) is not None:
-                    op = self._start(task)
-                    inflight[id(op)] = op
-                    sends.add(op.send, op)
-                    recvs.add(op.recv, op)
-                    windows.started(task.nbytes, task.order, now)
-                    progressed = True
-                # 3. complete what finished: one progress call per kind (PendingRequests)
-                for op in sends.completed():
-                    # Credit comes back when the push is delivered, not when the result is: the
-                    # server always drains pushes, so credit never waits on another worker (the
-                    # result window does, with the rule in flowcontrol that keeps it deadlock-free).
-                    op.send_done = True
-                    windows.delivered(op.task.nbytes)
-                    if op.task.group.urgent:
-                        windows.urgent_delivered()
-                    progressed = True
-                    if op.recv_done:
-                        del inflight[id(op)]
-                        self._finish(op)
-                for op in recvs.completed():
-                    op.recv_done = True
-                    windows.resulted(op.task.nbytes, op.task.order, time.monotonic())
-                    progressed = True
-                    if op.send_done:
-                        del inflight[id(op)]
-                        self._finish(op)
+                if not self._take_groups(ready, windows, block=not ready and not inflight):
+                    self._stopped.set()
+                    return
+                # 2. start tasks within the credit and result windows; 3. complete what finished
+                progressed = self._start_ready(ready, windows, inflight, sends, recvs)
+                progressed = self._retire_done(windows, inflight, sends, recvs) or progressed
                 # 4. errors from servers and timeouts
                 now = time.monotonic()
                 if now - last_check > 0.2:
                     last_check = now
                     self._check_server_errors()
-                    for op in inflight.values():
-                        if now - op.started > self.timeout_s:
-                            spec = op.task.group.keys[op.task.slot]
-                            raise IMergeTimeoutError(
-                                f"IMerge worker {self.rank}: no result from server {spec.server} for "
-                                f"{spec.describe()} after {self.timeout_s:.0f} s; a worker or server may be "
-                                "dead or stuck (the server logs which workers it waits for)")
+                    self._check_timeouts(inflight, now)
                 if progressed:
                     backoff.reset()
                 elif inflight:
@@ -201,6 +158,71 @@ class CommThread:
             for group in list(self._active.values()):
                 _run_callbacks(group, exc)
             self._stopped.set()
+
+    def _take_groups(self, ready: ReadyQueue, windows: SendWindows, block: bool) -> bool:
+        """Expand the submitted groups into tasks (waiting for one if ``block``); False on stop()."""
+        while block or not self._queue.empty():
+            try:
+                item = self._queue.get(timeout=0.5) if block else self._queue.get_nowait()
+            except queue.Empty:
+                continue
+            block = False
+            if item is None:
+                return False
+            group, policy = item
+            windows.configure(policy.credit_bytes, policy.result_window_bytes, policy.tail_credit_bytes)
+            if group.tail_keys:
+                windows.begin_tail(group.tail_keys)
+            self._expand(group, policy, ready)
+        return True
+
+    def _start_ready(self, ready: ReadyQueue, windows: SendWindows, inflight: dict[int, _InFlight],
+                     sends: PendingRequests, recvs: PendingRequests) -> bool:
+        """Start every task the credit and result windows allow; True if any started."""
+        started = False
+        now = time.monotonic()
+        while ready and (task := ready.take(windows, now)) is not None:
+            op = self._start(task)
+            inflight[id(op)] = op
+            sends.add(op.send, op)
+            recvs.add(op.recv, op)
+            windows.started(task.nbytes, task.order, now)
+            started = True
+        return started
+
+    def _retire_done(self, windows: SendWindows, inflight: dict[int, _InFlight], sends: PendingRequests,
+                     recvs: PendingRequests) -> bool:
+        """Account for finished pushes and results (one progress call per kind); True if any."""
+        progressed = False
+        for op in sends.completed():
+            # Credit comes back when the push is delivered, not when the result is: the
+            # server always drains pushes, so credit never waits on another worker (the
+            # result window does, with the rule in flowcontrol that keeps it deadlock-free).
+            op.send_done = True
+            windows.delivered(op.task.nbytes)
+            if op.task.group.urgent:
+                windows.urgent_delivered()
+            progressed = True
+            if op.recv_done:
+                del inflight[id(op)]
+                self._finish(op)
+        for op in recvs.completed():
+            op.recv_done = True
+            windows.resulted(op.task.nbytes, op.task.order, time.monotonic())
+            progressed = True
+            if op.send_done:
+                del inflight[id(op)]
+                self._finish(op)
+        return progressed
+
+    def _check_timeouts(self, inflight: dict[int, _InFlight], now: float) -> None:
+        for op in inflight.values():
+            if now - op.started > self.timeout_s:
+                spec = op.task.group.keys[op.task.slot]
+                raise IMergeTimeoutError(
+                    f"IMerge worker {self.rank}: no result from server {spec.server} for "
+                    f"{spec.describe()} after {self.timeout_s:.0f} s; a worker or server may be "
+                    "dead or stuck (the server logs which workers it waits for)")
 
     def _nap(self, seconds: float) -> None:
         if self._wake.wait(seconds):

@@ -134,6 +134,8 @@ class PendingRequests:
         if not indices:
             return []
         owners = [self._owners[start + i] for i in indices]
+        for i in indices:  # a completed request no longer keeps its owner (and its buffers) alive
+            self._owners[start + i] = None
         self._retired += len(indices)
         if self._retired * 2 > len(requests) >= 32:
             live = [(r, o) for r, o in zip(requests, self._owners) if r]
