@@ -12,28 +12,16 @@ next to what the launch measured::
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
+from w16_cell import ROOT, load
 
-from benchmarks import run  # noqa: E402
-from imerge_hooks import simulate  # noqa: E402
-from imerge_hooks.costmodel import PSModel  # noqa: E402
+from imerge_hooks import simulate
 
 LAUNCHES = ("ab-w16-search2-session9", "ab-w16-handoff-session10", "ab-w16-dp1m-session9", "ab-w16-dp1m2-session9")
 
 
 def main() -> None:
-    grid = json.loads((ROOT / "benchmarks/results/bench-session9-w16.json").read_text())
-    table = grid["calibration"]["16"]["table"]
-    psm = PSModel.fit(16, 2, table["bytes"], table["time_s"])
-    cell = next(v for v in grid["validation"]
-                if v["model"] == "resnet18" and v["workers"] == 16 and v["schedule"] == "imerge")
-    spec = simulate.ModelSpec.from_profile_json(run.PROFILES / "resnet18-cpu.json")
-    base = dict(workers=16, servers=2, bandwidth_Bps=125e6 * run.GOODPUT, fabric_Bps=cell["fabric_Bps"],
-                share_period_s=cell["share_period_s"])
+    psm, cell, spec, base = load()
     for name in LAUNCHES:
         doc = json.loads((ROOT / f"benchmarks/results/{name}.json").read_text())
         row = next(r for r in doc["measured"]["runs"] if r["model"] == "resnet18" and r["schedule"] == "imerge")

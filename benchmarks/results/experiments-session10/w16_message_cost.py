@@ -12,29 +12,19 @@ measured uneven sharing::
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
+from w16_cell import load
 
-from benchmarks import run  # noqa: E402
-from imerge_hooks import simulate  # noqa: E402
-from imerge_hooks.costmodel import PSModel  # noqa: E402
+from benchmarks import run
+from imerge_hooks import simulate
 
 MiB = 1 << 20
 
 
 def main() -> None:
-    grid = json.loads((ROOT / "benchmarks/results/bench-session9-w16.json").read_text())
-    table = grid["calibration"]["16"]["table"]
-    psm = PSModel.fit(16, 2, table["bytes"], table["time_s"])
-    cell = next(v for v in grid["validation"]
-                if v["model"] == "resnet18" and v["workers"] == 16 and v["schedule"] == "imerge")
-    spec = simulate.ModelSpec.from_profile_json(run.PROFILES / "resnet18-cpu.json")
-    base = dict(workers=16, servers=2, bandwidth_Bps=125e6 * run.GOODPUT, startup_s=cell["startup_s"],
-                fabric_Bps=cell["fabric_Bps"], share_period_s=cell["share_period_s"])
+    psm, cell, spec, base = load()
+    base["startup_s"] = cell["startup_s"]
     plan = run.engine_plan("resnet18", 16, 2, "imerge", 1.0, psm)
     costs = [float(c) for c in sys.argv[1].split(",")] if len(sys.argv) > 1 else [0, 0.5e-3, 1e-3, 2e-3, 4e-3, 8e-3]
     factors = [float(f) for f in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1.0]
