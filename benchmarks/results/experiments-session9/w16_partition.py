@@ -10,29 +10,22 @@ the mean of 3 draws of the measured uneven sharing::
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
+# The W=16 cell is loaded as in session 10's experiments (one loader for both).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments-session10"))
+from w16_cell import load  # noqa: E402
 
 from benchmarks import run  # noqa: E402
 from imerge_hooks import simulate  # noqa: E402
-from imerge_hooks.costmodel import PSModel  # noqa: E402
 
 MiB = 1 << 20
 
 
 def main() -> None:
-    grid = json.loads((ROOT / "benchmarks/results/bench-session9-w16.json").read_text())
-    table = grid["calibration"]["16"]["table"]
-    psm = PSModel.fit(16, 2, table["bytes"], table["time_s"])
-    cell = next(v for v in grid["validation"]
-                if v["model"] == "resnet18" and v["workers"] == 16 and v["schedule"] == "imerge")
-    spec = simulate.ModelSpec.from_profile_json(run.PROFILES / "resnet18-cpu.json")
-    base = dict(workers=16, servers=2, bandwidth_Bps=125e6 * run.GOODPUT, startup_s=cell["startup_s"],
-                fabric_Bps=cell["fabric_Bps"], share_period_s=cell["share_period_s"])
+    psm, cell, spec, base = load()
+    base["startup_s"] = cell["startup_s"]
     plan = run.engine_plan("resnet18", 16, 2, "imerge", 1.0, psm)
     print(f"resnet18 W=16 imerge: measured {cell['measured_s']:.2f} s/iter; the engine's search picks "
           f"{len(plan['groups'])} groups at {plan['partition_bytes']} B")
