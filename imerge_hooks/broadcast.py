@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from . import runtime
-from .transport import as_mpi_buffer
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -16,27 +15,26 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     """Overwrite every worker's tensors with ``root_rank``'s, in place.
 
     ``params`` is a ``state_dict()`` or ``named_parameters()``; names must match across workers.
+    The root's tensors go as one object with a deadline (``runtime.collective``), so a worker
+    that never calls this is named instead of leaving the others waiting.
     """
     topo = runtime.topology()
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     if topo.num_workers == 1:
         return
-    comm = topo.worker_comm
     signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
-    root_signature = comm.bcast(signature, root=root_rank)
+    mine = [t.detach().to("cpu", copy=True) for _, t in items] if topo.worker_rank == root_rank else None
+    root_signature, values = runtime.collective(topo.worker_comm, "bcast", (signature, mine),
+                                                f"the parameters of worker {root_rank}", root=root_rank)
     if root_signature != signature:
         diff = next((f"{a} vs {b}" for a, b in zip(signature, root_signature) if a != b),
                     f"{len(signature)} tensors vs {len(root_signature)}")
         raise ValueError(f"IMerge worker {topo.worker_rank}: broadcast_parameters: tensors differ from worker "
                          f"{root_rank}'s (this worker vs root: {diff})")
-    with torch.no_grad():
-        for _, tensor in items:
-            host = tensor.detach()
-            if host.device.type != "cpu" or not host.is_contiguous():
-                host = host.to("cpu", copy=True).contiguous()
-            comm.Bcast(as_mpi_buffer(host), root=root_rank)
-            if host is not tensor:
-                tensor.copy_(host)
+    if topo.worker_rank != root_rank:
+        with torch.no_grad():
+            for (_, tensor), value in zip(items, values):
+                tensor.copy_(value)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
@@ -46,11 +44,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         return
     runtime.flush_all()
     state: Any = optimizer.state_dict() if topo.worker_rank == root_rank else None
-    state = topo.worker_comm.bcast(state, root=root_rank)
+    state = runtime.collective(topo.worker_comm, "bcast", state, f"the optimizer state of worker {root_rank}",
+                               root=root_rank)
     if topo.worker_rank != root_rank:
         optimizer.load_state_dict(state)
 
 
 def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     """Any picklable object from ``root_rank`` to every worker."""
-    return runtime.topology().worker_comm.bcast(obj, root=root_rank)
+    return runtime.collective(runtime.topology().worker_comm, "bcast", obj, f"an object from worker {root_rank}",
+                              root=root_rank)

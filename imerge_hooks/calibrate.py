@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import runtime
+from . import polling, runtime
 from .costmodel import PSModel
 from .layout import Group, Placement
 from .scheduler import SchedulePolicy
@@ -63,27 +63,31 @@ def measure(sizes: list[int] | None = None) -> PSModel:
             comm.wait(group, "during calibration ")
             samples = []
             for _ in range(_repeats(nbytes)):
-                topo.worker_comm.Barrier()
+                # Spin while waiting (as MPI's Barrier does), so the workers start their samples together.
+                runtime.collective(topo.worker_comm, "barrier", None, "the calibration barrier",
+                                   spin_s=polling.SPIN_S_DEDICATED)
                 start = time.perf_counter()
                 comm.submit(group, policy)
                 comm.wait(group, "during calibration ")
                 samples.append(time.perf_counter() - start)
-            times.append(topo.worker_comm.allreduce(statistics.median(samples), op=_max_op()))
+            times.append(runtime.collective(topo.worker_comm, "max", statistics.median(samples),
+                                            f"the calibration times of {nbytes} bytes"))
     finally:
         runtime.register_keys(client, [])
-    hosts = sorted(set(topo.worker_comm.allgather(os.uname().nodename)))
-    return PSModel.fit(topo.num_workers, topo.num_servers, sizes, times, hosts=hosts)
+    return PSModel.fit(topo.num_workers, topo.num_servers, sizes, times, hosts=_hosts())
 
 
-def _max_op():
-    from ._mpi import MPI
-
-    return MPI.MAX
+def _hosts() -> list[str]:
+    """The workers' host names, sorted and without repeats (collective over workers)."""
+    names = runtime.collective(runtime.topology().worker_comm, "allgather", os.uname().nodename,
+                               "the workers' host names")
+    return sorted(set(names))
 
 
 def cache_path(template: str) -> str:
+    """The cost-model cache file for this job's workers, servers and hosts (collective over workers)."""
     topo = runtime.topology()
-    hosts = sorted(set(topo.worker_comm.allgather(os.uname().nodename)))
+    hosts = _hosts()
     digest = hashlib.sha1(",".join(hosts).encode()).hexdigest()[:10]
     return os.path.expanduser(template.format(workers=topo.num_workers, servers=topo.num_servers, hosts=digest))
 
@@ -99,7 +103,7 @@ def load_or_calibrate() -> PSModel:
             cached = PSModel.from_json(path).to_dict()
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("IMerge: ignoring unreadable cost model cache %s (%s)", path, exc)
-    cached = topo.worker_comm.bcast(cached, root=0)
+    cached = runtime.collective(topo.worker_comm, "bcast", cached, "worker 0's cached PS cost model")
     if cached is not None:
         return PSModel.from_dict(cached)
     if not cfg.calibrate:

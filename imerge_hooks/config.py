@@ -69,6 +69,9 @@ class Config:
     compression: str = "none"  # none | fp16 | bf16
     plan_search: bool = True  # optimal planner: score candidate plans with the simulator (plansearch.py)
     polling: str = "auto"  # auto | spin | yield: how idle comm threads and servers wait (see polling.py)
+    # While workers have joined (imerge_hooks.join()): "workers" divides every sum by the number of
+    # workers (their missing pushes count as zeros: Horovod, DDP's Join), "active" by those that pushed.
+    join_divisor: str = "workers"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -86,6 +89,8 @@ class Config:
             raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
         if self.polling not in ("auto", "spin", "yield"):
             raise ValueError(f"IMerge: polling must be auto, spin or yield, got {self.polling!r}")
+        if self.join_divisor not in ("workers", "active"):
+            raise ValueError(f"IMerge: join_divisor must be workers or active, got {self.join_divisor!r}")
         if self.compression not in ("none", "fp16", "bf16"):
             raise ValueError(f"IMerge: compression must be none, fp16 or bf16, got {self.compression!r}")
 

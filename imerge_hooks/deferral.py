@@ -93,7 +93,10 @@ class DeferredStep:
                 p.grad = grad
         if self.zero_after_apply:
             for i in indices:
-                engine.views[i].zero_()
+                if engine.none_when_unused:
+                    engine.params[i].grad = None
+                else:
+                    engine.views[i].zero_()
 
 
 def _copy(value: Any) -> Any:

@@ -19,6 +19,7 @@ from . import runtime
 from .config import Config
 from .deferral import DeferredStep, supports_deferral
 from .errors import IMergeUsageError
+from .gates import AccessGuard, GateLearner
 from .layout import Group, Placement, cut_keys, dtype_name, names_in_range, wire_dtype
 from .memory import Arena
 from .scheduler import SchedulePolicy
@@ -62,6 +63,12 @@ class GradientEngine:
         self.listeners: list = []  # callables(engine) run after each synchronize (profiler, planner)
         self.deferred: DeferredStep | None = None  # overlap_forward: the step being applied in forward
         self._forward_hook = None
+        # overlap_forward: where each parameter's update is applied, learned in synchronous iterations
+        self._learner = GateLearner(self.params) if config.overlap and self.comm is not None else None
+        self._gate_of_module: dict[int, list[int]] = {}  # id(module) -> parameter indices it gates
+        self._gate_modules: dict[int, torch.nn.Module] = {}  # keeps gate modules' ids meaningful
+        self._ungated: set[int] = set()  # applied at step(): no gate could be learned for them
+        self._warned_unpredicted = False
         self._flush_hooked: set[int] = set()  # modules with a state_dict pre-hook that flushes
         # (event, module name, monotonic time, detail): for tests and timelines
         self.events: list | None = [] if os.environ.get("IMERGE_RECORD_EVENTS") else None
@@ -78,6 +85,7 @@ class GradientEngine:
             self.listeners.append(self.replanner)
         runtime.add_flush_callback(self.flush_deferred)
         runtime._state.join_callbacks.append(self.synchronize)
+        runtime._state.after_join_callbacks.append(self._take_parameters_of)
         self.timeline = runtime.timeline()
         if self.timeline is not None:
             self.timeline.watch_modules(lambda m: any(id(p) in self._index for p in m._parameters.values()
@@ -137,8 +145,8 @@ class GradientEngine:
         if not fresh or self.comm is None:
             return
         groups = {self.group_of[i] for i in fresh if self.params[i].grad is not None}
-        for g in sorted(groups):
-            self._submit(self.groups[g])
+        for g in sorted(groups):  # part of the step that just ended (its number was already counted)
+            self._submit(self.groups[g], self.iteration - 1)
         for g in sorted(groups):
             self.wait_group(self.groups[g])
             self.groups[g].submitted = False
@@ -163,7 +171,6 @@ class GradientEngine:
         covered = sorted(i for group in plan for i in group)
         if covered != [i for i, t in enumerate(self.trainable) if t]:
             raise ValueError("IMerge: a plan must list every trainable parameter index exactly once")
-        old_views = self.views
         # Results of the old layout are no longer needed (every group was taken): free them before
         # the new buffers exist, so a plan change peaks at 3x, not 4x, the gradient bytes.
         for group in self.groups:
@@ -197,10 +204,8 @@ class GradientEngine:
             for i in members:
                 p = self.params[i]
                 view = flat[offset:offset + p.numel()].view_as(p)
-                previous = old_views[i] if old_views and old_views[i] is not None else p.grad
-                if previous is not None:
-                    view.copy_(previous)
-                if previous is not None:
+                if p.grad is not None:  # a parameter without a gradient keeps None
+                    view.copy_(p.grad)
                     p.grad = view
                 views[i] = view
                 spans.append((self.names[i], offset, p.numel()))
@@ -230,7 +235,8 @@ class GradientEngine:
         self.views = views
         self._spare_views = spare
         self.group_arrived = [0] * len(groups)
-        self.epoch = runtime.register_keys(self.client, [k for g in groups for k in g.keys])
+        self.epoch = runtime.register_keys(self.client, [k for g in groups for k in g.keys],
+                                           [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.names, self.params)])
         if self.topo.num_servers > 1:
             log.info("IMerge worker %d: plan epoch %d, %d groups, %d keys, server load max/mean %.3f",
                      self.topo.worker_rank, self.epoch, len(groups), sum(len(g.keys) for g in groups),
@@ -255,8 +261,9 @@ class GradientEngine:
         if self.deferred is not None and self.deferred.owns(param):
             raise IMergeUsageError(
                 f"IMerge worker {self.topo.worker_rank}: {self.names[i]!r} got a gradient before its deferred "
-                "update was applied: with overlap_forward, each parameter must be used through the forward() of "
-                "the module that owns it. Pass overlap_forward=False for this model")
+                "update was applied: this iteration used it through a path the first (synchronous) iterations "
+                "did not show and that is not a module attribute or parameters() (e.g. a reference kept in a "
+                "list). Pass overlap_forward=False for this model")
         if self.backward_started is None:
             self.backward_started = time.monotonic()
         view = self.views[i]
@@ -282,7 +289,7 @@ class GradientEngine:
         if self.immediate and self.group_arrived[g] == len(self.groups[g].members):
             self._submit(self.groups[g])
 
-    def _submit(self, group: Group) -> None:
+    def _submit(self, group: Group, round_number: int | None = None) -> None:
         if self.comm is None:
             group.done.set()
             group.submitted = True
@@ -291,7 +298,7 @@ class GradientEngine:
             event = torch.cuda.Event()
             event.record()
             group.cuda_event = event
-        self.comm.submit(group, self.policy)
+        self.comm.submit(group, self.policy, self.iteration if round_number is None else round_number)
 
     # ------------------------------------------------------------------ iteration end
     @property
@@ -332,8 +339,12 @@ class GradientEngine:
         self.flush_deferred()
         changed = self.trainable_changed()
         if not self.pending_gradients and not any(g.submitted for g in self.groups) and not changed:
+            # Nothing was computed since the last step: nothing moves (grads are None after zero_grad)
+            # and the step still counts, so a worker that skipped its backward is a round behind
+            # the others and the servers say so at its next push.
             self.without_gradient = set()
-            return  # nothing was computed since the last step
+            self.iteration += 1
+            return
         self.push_remaining()
         wait_start = time.monotonic()
         for group in self.groups:
@@ -363,19 +374,36 @@ class GradientEngine:
         self.group_arrived = [0] * len(self.groups)
         self.backward_started = None
         self.iteration += 1
+        self._learn_gates()
         for listener in list(self.listeners):
             listener(self)
 
+    def _learn_gates(self) -> None:
+        """A synchronous step ended: fold its forward's first uses into the gates (``gates.py``)."""
+        learner = self._learner
+        if learner is None or learner.learned:
+            return
+        learner.end_iteration()
+        if learner.learned:
+            self._gate_of_module, self._gate_modules, self._ungated = learner.gates()
+            learner.close()
+            if self._ungated:
+                log.info("IMerge worker %d: %d parameter(s) have no forward gate; their updates are applied at "
+                         "step(): %s", self.topo.worker_rank, len(self._ungated),
+                         ", ".join(self.names[i] for i in sorted(self._ungated)[:8]))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers in place (gradients stay views into them)."""
+        """``optimizer.zero_grad()`` as torch does it; the gradient buffers stay IMerge's.
+
+        ``set_to_none=True``: every ``.grad`` becomes None (the next backward's gradient is copied
+        into the flat buffer by the grad hook), so a parameter that gets no gradient is skipped
+        by ``step()``, as in torch. ``False``: the buffers are zeroed in place.
+        """
         self.none_when_unused = set_to_none
         if self.deferred is not None:
-            # Pending updates still need their gradients: zero each one right after it is applied.
+            # Pending updates still need their gradients: clear each one right after it is applied.
             self.deferred.zero_after_apply = True
-            pending = set(self.deferred.pending.values())
-            for i, view in enumerate(self.views):
-                if i not in pending and view is not None:
-                    view.zero_()
+            self._clear_gradients(set_to_none, skip=set(self.deferred.pending.values()))
             return
         if self.in_flight:
             raise IMergeUsageError(
@@ -385,16 +413,26 @@ class GradientEngine:
             self.counts = [0] * len(self.params)
             self.group_arrived = [0] * len(self.groups)
             self.backward_started = None
-        for group in self.groups:
-            group.flat.zero_()
-        for p, view in zip(self.params, self.views):
-            if view is not None and p.grad is not None and p.grad is not view:
-                p.grad = view
+        self._clear_gradients(set_to_none)
+
+    def _clear_gradients(self, set_to_none: bool, skip: set[int] = frozenset()) -> None:
+        for i, (p, view) in enumerate(zip(self.params, self.views)):
+            if i in skip:
+                continue
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                if view is None:
+                    p.grad.zero_()  # frozen: not IMerge's buffer
+                else:
+                    view.zero_()
+                    p.grad = view
 
     # ------------------------------------------------------------------ overlap with the next forward
     def can_defer(self, optimizer: torch.optim.Optimizer) -> bool:
         profiling = self.replanner is not None and not self.replanner.profiler.done
-        return (self.cfg.overlap and self.comm is not None and not profiling and supports_deferral(optimizer)
+        learned = self._learner is not None and self._learner.learned
+        return (self.cfg.overlap and learned and not profiling and supports_deferral(optimizer)
                 and self.pending_gradients and not self.trainable_changed())
 
     def defer_step(self, optimizer: torch.optim.Optimizer, base_step) -> None:
@@ -407,14 +445,37 @@ class GradientEngine:
         self.group_arrived = [0] * len(self.groups)
         self.backward_started = None
         self.iteration += 1
+        self.deferred.apply([self.params[i] for i in sorted(self._ungated)])
+        if self.deferred.finished:
+            self.deferred = None
+            return
         if self._forward_hook is None:
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+            AccessGuard.activate(self._on_fetch, self.flush_deferred)
+
+    def _on_fetch(self, param: torch.Tensor) -> None:
+        """A pending parameter is fetched as a module attribute before its gate ran: apply it now."""
+        deferred = self.deferred
+        if deferred is None or not deferred.owns(param):
+            return
+        if not self._warned_unpredicted:
+            self._warned_unpredicted = True
+            log.warning("IMerge worker %d: %r was read before the forward reached the module where its update is "
+                        "applied (user code between step() and forward, or a use the first iterations did not "
+                        "show); applying its update first (exact, less overlap)", self.topo.worker_rank,
+                        self.names[self._index[id(param)]])
+        deferred.apply([param])
+        if deferred.finished:
+            self._end_deferral()
 
     def _before_forward(self, module: torch.nn.Module, _args) -> None:
         deferred = self.deferred
         if deferred is None:
             return
-        mine = [p for p in module._parameters.values() if p is not None and deferred.owns(p)]
+        gated = self._gate_of_module.get(id(module), ())
+        mine = [self.params[i] for i in gated if deferred.owns(self.params[i])]
+        mine += [p for p in module._parameters.values() if p is not None and deferred.owns(p) and
+                 not any(p is q for q in mine)]
         if not mine:
             return
         if id(module) not in self._flush_hooked:
@@ -446,6 +507,21 @@ class GradientEngine:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+            AccessGuard.deactivate(self._on_fetch, self.flush_deferred)
+
+    def _take_parameters_of(self, worker: int) -> None:
+        """After join(): every worker takes ``worker``'s parameters and step count (DDP's Join does too)."""
+        topo = self.topo
+        if topo.num_workers == 1:
+            return
+        mine = (self.iteration, [p.detach().cpu() for p in self.params]) if topo.worker_rank == worker else None
+        iteration, values = runtime.collective(topo.worker_comm, "bcast", mine, "the last joiner's parameters",
+                                               root=worker)
+        self.iteration = iteration
+        if topo.worker_rank != worker:
+            with torch.no_grad():
+                for p, value in zip(self.params, values):
+                    p.copy_(value)
 
     def remove(self) -> None:
         for hook in self._hooks.values():
@@ -459,7 +535,9 @@ class GradientEngine:
         """
         self.flush_deferred()
         self.remove()
-        runtime.remove_callbacks(self.flush_deferred, self.synchronize)
+        if self._learner is not None:
+            self._learner.close()
+        runtime.remove_callbacks(self.flush_deferred, self.synchronize, self._take_parameters_of)
         for group in self.groups:
             group.flat = group.result = group.staging = None
             group.release_buffers()

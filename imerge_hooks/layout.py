@@ -40,6 +40,7 @@ class Group:
     # until that many keys of the urgent group (the plan's last, the next forward's first) are delivered.
     tail_keys: int = 0
     urgent: bool = False
+    round: int = 0  # the step this submission belongs to (its keys' tags carry it, see transport.key_tag)
 
     _buffers: dict = field(default_factory=dict, repr=False)
 

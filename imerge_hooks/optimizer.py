@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -12,6 +14,7 @@ from . import runtime
 from .config import Config
 from .engine import GradientEngine
 from .layout import dtype_name
+from .naming import module_names
 
 
 class _DistributedMixin:
@@ -121,7 +124,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cfg = Config.from_env(runtime.config(), **overrides)
     opt_params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
-        named = [(f"param.{i}", p) for i, p in enumerate(opt_params)]
+        named = list(zip(module_names(opt_params), opt_params))
     else:
         named = list(named_parameters)
         known = {id(p) for _, p in named}
@@ -137,4 +140,30 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     optimizer.__class__ = _distributed_class(type(optimizer))
     optimizer._imerge_engine = engine
     optimizer._imerge_skip_sync = False
+    _repatch_scheduler_step(optimizer)
     return optimizer
+
+
+def _repatch_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.step()`` IMerge's step again if an LR scheduler patched it before wrapping.
+
+    A torch LR scheduler replaces ``optimizer.step`` on the instance with a wrapper around the
+    step of the class the optimizer had then (a scheduler built before ``DistributedOptimizer``,
+    as Lightning's ``configure_optimizers`` does): that wrapper would bypass IMerge, so nothing
+    would be averaged. Patch it again the way torch does, around the new class's step.
+    """
+    patched = optimizer.__dict__.get("step")
+    if patched is None or not getattr(patched, "_wrapped_by_lr_sched", False):
+        return
+    del optimizer.__dict__["step"]
+    owner = weakref.ref(optimizer)
+    step = type(optimizer).step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        opt._opt_called = True  # what the scheduler checks to warn about a missing optimizer.step()
+        return step(opt, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import atexit
+import hashlib
 import itertools
 import logging
 import os
 import socket
 import sys
+import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from . import polling
 from ._mpi import MPI, ensure_initialized
 from .config import Config
-from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError
+from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .polling import Backoff
 from .scheduler import CommThread
 from .topology import Topology, build_topology
-from .transport import TAG_CONTROL, TAG_DECISION, TAG_REPLY, TAG_TIMELINE, KeySpec, table_to_wire
+from .transport import TAG_COLLECTIVE, TAG_CONTROL, TAG_DECISION, TAG_REPLY, TAG_TIMELINE, KeySpec, table_to_wire
 
 log = logging.getLogger("imerge")
 
@@ -30,6 +32,7 @@ class _State:
         self.comm_thread: CommThread | None = None
         self.server_program = False
         self.tables: dict[int, list[KeySpec]] = {}  # client id -> its keys
+        self.tensor_tables: dict[int, list[tuple]] = {}  # client id -> (name, shape, dtype) per tensor
         self.next_key = 0
         self.epoch = 0
         self.clients = itertools.count()
@@ -38,7 +41,9 @@ class _State:
         self.shut_down = False
         self.flush_callbacks: list = []
         self.join_callbacks: list = []  # engines finish their iteration before a join
+        self.after_join_callbacks: list = []  # fn(last joiner): engines take its parameters
         self.timeline = None  # timeline.Timeline when IMERGE_TIMELINE is set
+        self.fatal: BaseException | None = None  # an error after which MPI_Finalize could hang: abort instead
 
 
 _state = _State()
@@ -55,14 +60,18 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     The last ``num_servers`` ranks (default: ``IMERGE_NUM_SERVERS``, or the ranks launched as
     ``python -m imerge_hooks.server`` in an MPMD job, or 0) become parameter servers: on them
     ``init`` serves until every worker has shut down and then exits the process with code 0.
-    On workers it returns. A second call on a worker is a no-op.
+    On workers it returns. A second call on a worker is a no-op. In a job of several ranks an
+    uncaught exception in any thread then aborts the whole MPI job (``_install_excepthooks``).
     """
     if _state.topology is not None:
         return
     cfg = Config.from_env(num_servers=num_servers, **config)
     ensure_initialized()
     world = MPI.COMM_WORLD
-    flags = world.allgather(_state.server_program)
+    if world.Get_size() > 1:
+        _install_excepthooks()
+    flags = collective(world, "allgather", _state.server_program, "the roles the ranks were launched as",
+                       timeout_s=cfg.timeout_s, ranks="world rank")
     if any(flags):
         declared = sum(flags)
         if flags != [False] * (len(flags) - declared) + [True] * declared:
@@ -74,7 +83,7 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
         cfg = cfg.replace(num_servers=declared)
     elif cfg.num_servers is None:
         cfg = cfg.replace(num_servers=0)
-    topo = build_topology(int(cfg.num_servers))
+    topo = build_topology(int(cfg.num_servers), timeout_s=cfg.timeout_s)
     _state.topology, _state.config = topo, cfg
     _setup_logging()
     chosen = polling.configure(cfg.polling, topo.ranks_on_node)
@@ -124,7 +133,10 @@ def _send_server_timeline() -> None:
     if _state.timeline is not None:
         from .timeline import export
 
-        topology().data_comm.send(export(_state.timeline), dest=0, tag=TAG_TIMELINE)
+        payload = MPI.pickle.dumps(export(_state.timeline))
+        comm = topology().data_comm
+        _await(comm, [], {0: comm.Issend([payload, MPI.BYTE], dest=0, tag=TAG_TIMELINE)}, TAG_TIMELINE,
+               "sending this server's timeline to worker 0", None, "world rank")
 
 
 def serve_stage() -> str:
@@ -199,7 +211,7 @@ def add_flush_callback(fn) -> None:
 
 def remove_callbacks(*fns) -> None:
     """Unregister flush/join callbacks of a retired engine (missing ones are ignored)."""
-    for lst in (_state.flush_callbacks, _state.join_callbacks):
+    for lst in (_state.flush_callbacks, _state.join_callbacks, _state.after_join_callbacks):
         lst[:] = [f for f in lst if f not in fns]
 
 
@@ -210,20 +222,26 @@ def flush_all() -> None:
 
 
 # ---------------------------------------------------------------------- key table
-def register_keys(client: int, keys: list[KeySpec]) -> int:
+def register_keys(client: int, keys: list[KeySpec], tensors: list[tuple[str, tuple, str]] | None = None) -> int:
     """Install ``client``'s keys as part of a new numbered plan epoch on every server.
 
     Collective over workers: every worker registers the same change at the same point.
+    ``tensors`` is the client's (name, shape, dtype) per tensor, in its order: the servers
+    compare it across workers too (shapes and order that the keys' byte counts cannot show).
     Returns the new epoch. Raises IMergeMismatchError naming the tensor, worker and server
     if workers disagree.
     """
     topo = topology()
     _state.tables[client] = keys
+    _state.tensor_tables[client] = list(tensors or [])
     _state.epoch += 1
     if topo.num_servers == 0:
         return _state.epoch
     table = [k for c in sorted(_state.tables) for k in _state.tables[c]]
-    request = {"op": "register", "epoch": _state.epoch, "keys": table_to_wire(table), "worker": topo.worker_rank}
+    described = [t for c in sorted(_state.tensor_tables) for t in _state.tensor_tables[c]]
+    wire = table_to_wire(table)
+    request = {"op": "register", "epoch": _state.epoch, "keys": wire, "worker": topo.worker_rank,
+               "tensors": described, "digest": hashlib.sha1(repr((wire, described)).encode()).hexdigest()}
     comm = topo.data_comm
     for server in range(topo.num_servers):
         comm.send(request, dest=topo.server_world_rank(server), tag=TAG_CONTROL)
@@ -234,15 +252,18 @@ def register_keys(client: int, keys: list[KeySpec]) -> int:
         if reply.get("op") == "error":
             errors.append(reply["message"])
     if errors:
+        _state.tables.pop(client, None)  # refused: later registrations must not carry it
+        _state.tensor_tables.pop(client, None)
         raise IMergeMismatchError(f"IMerge worker {topo.worker_rank}: " + "; ".join(dict.fromkeys(errors)))
     return _state.epoch
 
 
-def _recv_with_timeout(comm: MPI.Comm, source: int, tag: int, what: str) -> Any:
+def _recv_with_timeout(comm: MPI.Comm, source: int, tag: int, what: str, fatal: bool = True) -> Any:
     """A pickled message of any size, polled with back-off (no spinning) until the timeout.
 
     A matched probe, not ``irecv``: mpi4py's ``irecv`` without a buffer truncates messages
-    over 32 KiB (a server's timeline, a large plan)."""
+    over 32 KiB (a server's timeline, a large plan). ``fatal``: the timeout means a server is
+    gone or stuck, so ``shutdown()`` aborts the job rather than wait for it in MPI_Finalize."""
     deadline = time.monotonic() + config().timeout_s
     backoff = Backoff()
     while True:
@@ -250,8 +271,9 @@ def _recv_with_timeout(comm: MPI.Comm, source: int, tag: int, what: str) -> Any:
         if message is not None:
             return message.recv()
         if time.monotonic() > deadline:
-            raise IMergeTimeoutError(f"IMerge worker {topology().worker_rank}: waited {config().timeout_s:.0f} s for "
-                                     f"{what}; some worker did not reach the same point, or a server is gone")
+            error = IMergeTimeoutError(f"IMerge worker {topology().worker_rank}: waited {config().timeout_s:.0f} s for "
+                                       f"{what}; some worker did not reach the same point, or a server is gone")
+            raise _fatal(error) if fatal else error
         backoff.idle()
 
 
@@ -269,17 +291,153 @@ def from_worker0(value: Any, what: str) -> Any:
         return value
     comm = topo.worker_comm
     if topo.worker_rank != 0:
-        return _recv_with_timeout(comm, 0, TAG_DECISION, f"{what} from worker 0")
+        # Not fatal: nothing is left pending, and worker 0 may only be on another code path.
+        return _recv_with_timeout(comm, 0, TAG_DECISION, f"{what} from worker 0", fatal=False)
     requests = [comm.isend(value, dest=r, tag=TAG_DECISION) for r in range(1, topo.num_workers)]
     deadline = time.monotonic() + config().timeout_s
     backoff = Backoff()
     while requests:
         requests = [r for r in requests if not r.test()[0]]
         if requests and time.monotonic() > deadline:
-            raise IMergeTimeoutError(f"IMerge worker 0: {len(requests)} worker(s) did not take {what} within "
-                                     f"{config().timeout_s:.0f} s")
+            raise _fatal(IMergeTimeoutError(f"IMerge worker 0: {len(requests)} worker(s) did not take {what} within "
+                                            f"{config().timeout_s:.0f} s"))
         backoff.idle()
     return value
+
+
+# ---------------------------------------------------------------------- collectives with a deadline
+def collective(comm: MPI.Comm, op: str, value: Any, what: str, *, root: int = 0, timeout_s: float | None = None,
+               ranks: str = "worker", spin_s: float | None = None) -> Any:
+    """An object collective over ``comm`` that raises IMergeTimeoutError instead of waiting forever.
+
+    ``op``: ``allgather`` (every rank's value, by rank), ``bcast`` (``root``'s value), ``gather``
+    (the list on ``root``, None elsewhere), ``max`` (the largest value) or ``barrier`` (None).
+    MPI's blocking collectives hang when a rank never arrives (dead, stopped, or on another code
+    path), and MPICH spins a core meanwhile. Here each value goes point to point by synchronous
+    send, polled with back-off (``spin_s``: how long to spin first) until ``timeout_s`` (default:
+    the config's); the error names ``what`` and the ``ranks`` (what ``comm``'s ranks are called)
+    that did not arrive. Every rank must call the same collectives in the same order.
+    """
+    me, size = comm.Get_rank(), comm.Get_size()
+    sources, dests = _collective_peers(op, me, size, root)
+    payload = MPI.pickle.dumps(None if op == "barrier" else value)  # pickled once, sent to every peer
+    sends = {r: comm.Issend([payload, MPI.BYTE], dest=r, tag=TAG_COLLECTIVE) for r in dests}
+    got = _await(comm, sources, sends, TAG_COLLECTIVE, f"{op} of {what}", timeout_s, ranks, spin_s)
+    got[me] = value
+    if op == "barrier":
+        return None
+    if op == "max":
+        return max(got.values())
+    if op == "bcast":
+        return got[root]
+    return [got[r] for r in range(size)] if op == "allgather" or me == root else None
+
+
+def _collective_peers(op: str, me: int, size: int, root: int) -> tuple[list[int], list[int]]:
+    """The ranks this rank receives from and the ranks it sends to in collective ``op``."""
+    others = [r for r in range(size) if r != me]
+    if op in ("allgather", "max", "barrier"):
+        return others, others
+    if op == "bcast":
+        return ([], others) if me == root else ([root], [])
+    if op == "gather":
+        return (others, []) if me == root else ([], [root])
+    raise ValueError(f"IMerge internal: unknown collective {op!r}")
+
+
+def _await(comm: MPI.Comm, sources: list[int], sends: dict[int, MPI.Request], tag: int, what: str,
+           timeout_s: float | None, ranks: str, spin_s: float | None = None) -> dict[int, Any]:
+    """One pickled message from each of ``sources`` and the end of each send (by destination),
+    polled with back-off; at the deadline IMergeTimeoutError naming the ranks still missing."""
+    limit = config().timeout_s if timeout_s is None else timeout_s
+    deadline = time.monotonic() + limit
+    waiting, got, backoff = list(sources), {}, Backoff(spin_s)
+    while waiting or sends:
+        if _receive_arrived(comm, waiting, tag, got) | _retire_sends(sends):
+            backoff.reset()
+        elif time.monotonic() > deadline:
+            missing = sorted(set(waiting) | set(sends))
+            raise _fatal(IMergeTimeoutError(f"{_whoami()}: {what} did not complete within {limit:.0f} s: {ranks}(s) "
+                                            f"{missing} did not arrive (dead, stuck, or on another code path)"))
+        else:
+            backoff.idle()
+    return got
+
+
+def _receive_arrived(comm: MPI.Comm, waiting: list[int], tag: int, got: dict[int, Any]) -> bool:
+    """Receive what has arrived from the ranks in ``waiting`` (and drop them from it); any?"""
+    arrived = False
+    for source in list(waiting):
+        message = comm.improbe(source=source, tag=tag)
+        if message is not None:
+            got[source] = message.recv()
+            waiting.remove(source)
+            arrived = True
+    return arrived
+
+
+def _retire_sends(sends: dict[int, MPI.Request]) -> bool:
+    """Drop the finished sends (a synchronous send finishes when its receiver took it); any?"""
+    done = [dest for dest, request in sends.items() if request.Test()]
+    for dest in done:
+        del sends[dest]
+    return bool(done)
+
+
+def _fatal(error: BaseException) -> BaseException:
+    """Remember ``error``: it leaves messages pending or a peer stuck, so ``shutdown()`` aborts."""
+    if _state.fatal is None:
+        _state.fatal = error
+    return error
+
+
+# ---------------------------------------------------------------------- failing fast
+def _whoami() -> str:
+    """This rank as messages name it: ``IMerge worker 1 (world rank 1)``, ``IMerge server 0 (world rank 3)``."""
+    topo = _state.topology
+    if topo is not None:
+        role = f"server {topo.server_index}" if topo.is_server else f"worker {topo.worker_rank}"
+        return f"IMerge {role} (world rank {topo.world_rank})"
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        return f"IMerge world rank {MPI.COMM_WORLD.Get_rank()}"
+    return "IMerge"
+
+
+def abort(message: str, code: int = 1) -> NoReturn:
+    """Log ``message`` and end the whole MPI job, every rank, as ``python -m mpi4py`` does.
+
+    For errors after which the other ranks would wait (up to ``timeout_s``, or forever in
+    MPI_Finalize) for this one.
+    """
+    log.error("%s", message)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.COMM_WORLD.Abort(code)
+    os._exit(code)  # MPICH's Abort can return before the process manager ends this rank: run no atexit
+
+
+def _install_excepthooks() -> None:
+    """Abort the job on an uncaught exception in any thread, after the previous hook printed it."""
+    if getattr(sys.excepthook, "imerge", False):
+        return
+    previous, previous_thread = sys.excepthook, threading.excepthook
+
+    def on_uncaught(exc_type, exc, tb) -> None:
+        previous(exc_type, exc, tb)
+        abort(f"{_whoami()}: uncaught {exc_type.__name__}: {exc}; aborting the job")
+
+    def on_uncaught_in_thread(args) -> None:
+        previous_thread(args)
+        if args.exc_type is not SystemExit:
+            abort(f"{_whoami()}: uncaught {args.exc_type.__name__} in thread "
+                  f"{getattr(args.thread, 'name', '?')}: {args.exc_value}; aborting the job")
+
+    on_uncaught.imerge = True
+    sys.excepthook, threading.excepthook = on_uncaught, on_uncaught_in_thread
 
 
 def _control_all(message: dict) -> None:
@@ -289,11 +447,14 @@ def _control_all(message: dict) -> None:
 
 
 def join() -> int:
-    """This worker ran out of data: let the others finish their iterations, then return.
+    """This worker ran out of data; returns when every worker has called ``join()``.
 
-    Until every worker has joined, this worker's missing pushes count as zero contributions
-    and the servers average over the workers that contributed. Returns the rank of the
-    worker that joined last. Plan changes must not happen while a worker has joined.
+    Every worker calls it when its data ends, as with Horovod's ``hvd.join()`` or DDP's
+    ``Join``. Until every worker has joined, a joined worker's missing pushes count as zeros
+    and the servers divide by the number of workers (``join_divisor="active"``: by those that
+    pushed). When it returns, every worker holds the parameters of the worker that joined
+    last (and its step count); it returns that worker's rank. A plan change while a worker
+    waits here (the end of ``profile_steps``) raises at once on that worker.
     """
     topo = topology()
     flush_all()
@@ -302,12 +463,61 @@ def join() -> int:
     if topo.num_servers == 0:
         return topo.worker_rank
     _control_all({"op": "join"})
-    last = -1
-    for server in range(topo.num_servers):
-        reply = _recv_with_timeout(topo.data_comm, topo.server_world_rank(server), TAG_REPLY,
-                                   f"server {server} to report that every worker joined")
-        last = reply.get("last", last)
+    last = _wait_until_all_joined(topo)
+    for fn in list(_state.after_join_callbacks):
+        fn(last)
     return last
+
+
+JOIN_GRACE_S = 2.0  # a collective seen while waiting in join() is another worker's only if no answer follows
+
+
+def _wait_until_all_joined(topo: Topology) -> int:
+    """Every server's answer that all workers joined; raise if another worker starts a collective.
+
+    A worker in join() takes part in no collective, so another worker that starts one (the plan
+    hand-off or calibration at the end of ``profile_steps``) would wait for it until ``timeout_s``.
+    Such a message is an error unless the servers' answers follow within ``JOIN_GRACE_S`` (a
+    worker that was told first may already be in the collective that ends ``join()``).
+    """
+    deadline = time.monotonic() + config().timeout_s
+    waiting, last, backoff = list(range(topo.num_servers)), -1, Backoff()
+    stray_since: float | None = None
+    while waiting:
+        for server in list(waiting):
+            message = topo.data_comm.improbe(source=topo.server_world_rank(server), tag=TAG_REPLY)
+            if message is not None:
+                reply = message.recv()
+                if reply.get("op") == "error":
+                    raise _fatal(IMergeUsageError(f"{_whoami()}: join(): {reply['message']}"))
+                last = reply.get("last", last)
+                waiting.remove(server)
+                backoff.reset()
+        stray = _collective_sender(topo.worker_comm)
+        now = time.monotonic()
+        if stray is not None and len(waiting) == topo.num_servers:
+            stray_since = stray_since or now
+            if now - stray_since > JOIN_GRACE_S:
+                raise _fatal(IMergeUsageError(
+                    f"{_whoami()} waits in join() (out of data) while worker {stray} started a collective step "
+                    "that needs every worker (a plan change at the end of profile_steps, a broadcast, "
+                    "calibration): workers must not change plans or run collectives while another has joined; make "
+                    "profile_steps smaller than the shortest worker's number of steps"))
+        if now > deadline:
+            raise _fatal(IMergeTimeoutError(
+                f"{_whoami()}: waited {config().timeout_s:.0f} s in join() for server(s) {waiting} to report that "
+                "every worker joined: every worker must call imerge_hooks.join() when its data ends"))
+        backoff.idle()
+    return last
+
+
+def _collective_sender(comm: MPI.Comm) -> int | None:
+    """The rank of a pending collective or plan hand-off message to this worker, if any."""
+    status = MPI.Status()
+    for tag in (TAG_COLLECTIVE, TAG_DECISION):
+        if comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+            return status.Get_source()
+    return None
 
 
 # ---------------------------------------------------------------------- torch.distributed
@@ -343,7 +553,7 @@ def worker_group():
 def master_address_port() -> tuple[str, int]:
     """Worker 0's address and a free port on it, agreed by all workers over MPI."""
     topo = topology()
-    hosts = topo.worker_comm.allgather(socket.gethostname())
+    hosts = collective(topo.worker_comm, "allgather", socket.gethostname(), "the workers' host names")
     if topo.worker_rank == 0:
         if os.environ.get("MASTER_ADDR"):
             address = os.environ["MASTER_ADDR"]
@@ -360,33 +570,43 @@ def master_address_port() -> tuple[str, int]:
         value = (address, port)
     else:
         value = None
-    return topo.worker_comm.bcast(value, root=0)
+    return collective(topo.worker_comm, "bcast", value, "worker 0's address and port")
 
 
 # ---------------------------------------------------------------------- shutdown
 def shutdown() -> None:
-    """Flush pending updates, stop the comm thread and release the servers (workers)."""
-    if _state.topology is None or _state.shut_down:
-        return
-    topo = _state.topology
-    if topo.is_server:
+    """Flush pending updates, stop the comm thread and release the servers (workers).
+
+    After a fatal error (the comm thread failed, a server or a collective timed out), or when
+    the flush fails, it aborts the MPI job instead: MPI_Finalize would wait forever for a stuck
+    peer, and the other workers for this one's pushes.
+    """
+    if _state.topology is None or _state.shut_down or _state.topology.is_server:
         return
     _state.shut_down = True
-    failed = _state.comm_thread.failed if _state.comm_thread else None
-    try:
-        if failed is None:
+    error = _state.fatal or (_state.comm_thread.failed if _state.comm_thread else None)
+    if error is None:
+        try:
             flush_all()
-    finally:
-        if _state.comm_thread is not None:
-            _state.comm_thread.stop()
-        _control_all({"op": "shutdown"})
-        if _state.timeline is not None:
-            _write_timeline()
-        if _state.own_process_group:
-            import torch.distributed as dist
+            _release_servers()
+            return
+        except BaseException as exc:  # noqa: BLE001 - ends the job
+            error = exc
+    abort(f"{_whoami()}: shutdown after {type(error).__name__}: {error}; aborting the job instead of finalizing MPI")
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+
+def _release_servers() -> None:
+    """Stop the comm thread, tell the servers this worker is done, write the timeline."""
+    if _state.comm_thread is not None:
+        _state.comm_thread.stop()
+    _control_all({"op": "shutdown"})
+    if _state.timeline is not None:
+        _write_timeline()
+    if _state.own_process_group:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _write_timeline() -> None:
@@ -394,7 +614,7 @@ def _write_timeline() -> None:
     from .timeline import export, write_trace
 
     topo = topology()
-    parts = topo.worker_comm.gather(export(_state.timeline), root=0)
+    parts = collective(topo.worker_comm, "gather", export(_state.timeline), "the timelines")
     if topo.worker_rank != 0:
         return
     for server in range(topo.num_servers):

@@ -29,6 +29,10 @@ from .transport import TAG_ERROR, PendingRequests, key_tag
 
 log = logging.getLogger("imerge")
 
+# A worker gives up on a push this much later than ``timeout_s``: the server, which knows which
+# worker it still waits for, then aborts the job first and names that worker.
+SERVER_FIRST_S = 3.0
+
 
 @dataclass
 class SchedulePolicy:
@@ -84,8 +88,10 @@ class CommThread:
         self._thread.start()
 
     # ------------------------------------------------------------------ API (any thread)
-    def submit(self, group: Group, policy: SchedulePolicy) -> None:
+    def submit(self, group: Group, policy: SchedulePolicy, round_number: int | None = None) -> None:
+        """Queue ``group`` for this round (``round_number``: the caller's step; None: the group's next)."""
         self.raise_if_failed()
+        group.round = group.round + 1 if round_number is None else round_number
         group.done.clear()
         group.submitted = True
         group.result_pending = group.swap
@@ -94,13 +100,15 @@ class CommThread:
 
     def wait(self, group: Group, what: str = "") -> None:
         """Block until ``group`` is complete (or raise the comm thread's error / a timeout)."""
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
         while not group.done.wait(0.05):
             self.raise_if_failed()
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            if waited > self.timeout_s + SERVER_FIRST_S:
                 raise IMergeTimeoutError(
-                    f"IMerge worker {self.rank}: {group.describe()} not complete after {self.timeout_s:.0f} s "
-                    f"{what}(servers: {sorted({k.server for k in group.keys})})")
+                    f"IMerge worker {self.rank}: {group.describe()} not complete after {waited:.0f} s {what}(no "
+                    f"result from server(s) {sorted({k.server for k in group.keys})}; a server or another worker "
+                    "may be dead or stuck)")
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:
@@ -151,13 +159,19 @@ class CommThread:
                 elif inflight:
                     backoff.idle(now - next(iter(inflight.values())).started)  # the oldest in flight
         except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
-            if not isinstance(exc, IMergeError):
-                exc = IMergeError(f"IMerge worker {self.rank}: communication thread failed: {exc!r}")
-            self._error = exc
-            log.error("%s", exc)
-            for group in list(self._active.values()):
-                _run_callbacks(group, exc)
-            self._stopped.set()
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """Keep the thread's error for the waiting threads (an IMergeError, caused by ``exc``)."""
+        error = exc
+        if not isinstance(exc, IMergeError):
+            error = IMergeError(f"IMerge worker {self.rank}: communication thread failed: {exc!r}")
+            error.__cause__ = exc  # as `raise ... from exc`: the traceback shows where the thread failed
+        self._error = error
+        log.error("%s", error)
+        for group in list(self._active.values()):
+            _run_callbacks(group, error)
+        self._stopped.set()
 
     def _take_groups(self, ready: ReadyQueue, windows: SendWindows, block: bool) -> bool:
         """Expand the submitted groups into tasks (waiting for one if ``block``); False on stop()."""
@@ -217,11 +231,11 @@ class CommThread:
 
     def _check_timeouts(self, inflight: dict[int, _InFlight], now: float) -> None:
         for op in inflight.values():
-            if now - op.started > self.timeout_s:
+            if now - op.started > self.timeout_s + SERVER_FIRST_S:
                 spec = op.task.group.keys[op.task.slot]
                 raise IMergeTimeoutError(
                     f"IMerge worker {self.rank}: no result from server {spec.server} for "
-                    f"{spec.describe()} after {self.timeout_s:.0f} s; a worker or server may be "
+                    f"{spec.describe()} after {now - op.started:.0f} s; a worker or server may be "
                     "dead or stuck (the server logs which workers it waits for)")
 
     def _nap(self, seconds: float) -> None:
@@ -250,8 +264,9 @@ class CommThread:
         start, end = task.group.key_ranges[task.slot]
         dest = self.server_world_rank(spec.server)
         group = task.group
-        recv = self.comm.Irecv(group.mpi_buffer(group.result, start, end), source=dest, tag=key_tag(spec.key))
-        send = self.comm.Isend(group.send_buffer(start, end), dest=dest, tag=key_tag(spec.key))
+        tag = key_tag(spec.key, group.round)
+        recv = self.comm.Irecv(group.mpi_buffer(group.result, start, end), source=dest, tag=tag)
+        send = self.comm.Isend(group.send_buffer(start, end), dest=dest, tag=tag)
         now = time.monotonic()
         if self.on_event is not None:
             self.on_event("push", task.group, task.slot, now, 0.0)

@@ -14,6 +14,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -25,16 +26,23 @@ from .topology import Topology
 from .transport import (
     DTYPE_BY_NAME,
     KEY_TAG_BASE,
+    ROUND_TAGS,
     TAG_CONTROL,
     TAG_ERROR,
     TAG_REPLY,
     KeySpec,
     PendingRequests,
     as_mpi_buffer,
+    key_tag,
+    split_key_tag,
     table_from_wire,
 )
 
 log = logging.getLogger("imerge")
+
+# A gap this long between two iterations of the server's loop means the process was not running
+# (stopped, or starved of CPU): the stall clocks move on by the gap instead of blaming a worker.
+CLOCK_JUMP_S = 5.0
 
 
 @dataclass
@@ -62,6 +70,10 @@ class _KeyState:
     receiving: _Receive | None = None  # the push being received into this key's buffers
     held: deque = field(default_factory=deque)  # matched pushes of this key waiting for it
     held_since: float | None = None  # a new round's first push waits for the last round's results to leave
+    send_to: list[int] = field(default_factory=list)  # the workers of ``sends``, in order
+    sent_at: float = 0.0  # when ``sends`` were started
+    open_round: int | None = None  # round (mod ROUND_TAGS) of the pushes matched since the last completion
+    last_round: int | None = None  # round of the last completed one
     wire_buf: list = field(default_factory=list)  # MPI views of wire / acc / out, built once
     acc_buf: list = field(default_factory=list)
     out_buf: list = field(default_factory=list)
@@ -102,19 +114,32 @@ class Server:
         self._sends_pending: dict[int, _KeyState] = {}
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
-        self._delayed: list[tuple[float, int, list[int]]] = []
+        self._delayed: list[tuple[float, int, list[int], int]] = []
         from . import runtime
 
         self.timeline = runtime.timeline()
         self.bytes_in = 0
+        self._last_tick = time.monotonic()
 
     # ------------------------------------------------------------------ main loop
     def serve(self, until: str = "shutdown") -> str:
-        """Serve until every worker sent ``stage_end`` (returns "stage") or ``shutdown``."""
+        """Serve until every worker sent ``stage_end`` (returns "stage") or ``shutdown``.
+
+        An exception here aborts the MPI job: otherwise every worker would wait for this server.
+        """
+        try:
+            return self._serve(until)
+        except BaseException as exc:  # noqa: BLE001 - ends the job
+            log.exception("IMerge server %d (world rank %d): the server loop failed", self.index,
+                          self.topo.world_rank)
+            self._abort(f"{type(exc).__name__} in the server loop: {exc}", code=1)
+
+    def _serve(self, until: str) -> str:
         backoff = Backoff()
         status = MPI.Status()
-        last_stall_check = time.monotonic()
+        last_stall_check = self._last_tick = time.monotonic()  # not running between serve() calls is no stall
         while True:
+            now = self._tick()
             if self._delayed:
                 self._send_due()
             if self._in_flight:
@@ -124,7 +149,6 @@ class Server:
             msg = self.comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             if msg is None:
                 self._progress_sends()
-                now = time.monotonic()
                 if now - last_stall_check > 1.0:
                     self._check_stalls(now)
                     last_stall_check = now
@@ -133,7 +157,9 @@ class Server:
             backoff.reset()
             source, tag = status.Get_source(), status.Get_tag()
             if tag >= KEY_TAG_BASE:
-                self._on_push(msg, source, tag - KEY_TAG_BASE, status.Get_count(MPI.BYTE))
+                if self._shut:
+                    self._check_after_shutdown(f"{self._describe_key(split_key_tag(tag)[0])} waits for it")
+                self._on_push(msg, source, tag, status.Get_count(MPI.BYTE))
                 continue
             self._drain_receives()  # control messages see every push before them handled
             raw = bytearray(status.Get_count(MPI.BYTE))
@@ -144,12 +170,15 @@ class Server:
                 continue
             op = request.get("op")
             if op == "register":
+                if self._shut:
+                    self._check_after_shutdown(f"worker {source} registers a new plan epoch without it")
                 self._on_register(source, request)
             elif op == "join":
                 self._on_join(source)
             elif op in ("stage_end", "shutdown"):
                 if op == "shutdown":
                     self._shut.add(source)
+                    self._check_shutdown(source)
                 else:
                     self._stage_ends[source] += 1
                 if len(self._shut) == self.workers:
@@ -179,8 +208,63 @@ class Server:
             log.error("IMerge server %d: %s while %s still waits for worker(s) %s",
                       self.index, why, k.spec.describe(), missing)
 
+    # ------------------------------------------------------------------ failing fast
+    def _abort(self, message: str, code: int = 3) -> NoReturn:
+        """End the MPI job with ``message``, naming this server."""
+        from . import runtime
+
+        runtime.abort(f"IMerge server {self.index} (world rank {self.topo.world_rank}): {message}; aborting the job",
+                      code)
+
+    def _tick(self) -> float:
+        """The time now. After a gap of ``CLOCK_JUMP_S`` since the last call this loop was not running
+        (the process was stopped or starved): the stall clocks skip the gap, so no worker is blamed."""
+        now = time.monotonic()
+        gap, self._last_tick = now - self._last_tick, now
+        if gap > CLOCK_JUMP_S:
+            log.warning("IMerge server %d: its loop did not run for %.1f s (stopped or starved); the stall "
+                        "clocks skip that time", self.index, gap)
+            for state in self.keys.values():
+                state.first_push_at += gap
+                state.sent_at += gap
+                if state.receiving is not None:
+                    state.receiving.started += gap
+                if state.held_since is not None:
+                    state.held_since += gap
+        return now
+
+    def _check_shutdown(self, worker: int) -> None:
+        """A worker shut down (its pushes are all in): fine unless a round it has not pushed to is
+        under way. A normal end has every key complete, because a worker flushes before shutdown."""
+        if worker in self.joined:  # counts as zero contributions
+            return
+        if self.joined:
+            self._abort(f"worker {worker} shut down without calling imerge_hooks.join() while workers "
+                        f"{sorted(self.joined)} wait in join(): every worker must call join() when its data ends")
+        waiting = next((k for k in self.keys.values() if k.count and worker not in k.arrived), None)
+        if waiting is not None:
+            self._abort_early_shutdown(worker, f"{waiting.spec.describe()} waits for it")
+
+    def _check_after_shutdown(self, what: str) -> None:
+        """A push or a registration came after a worker shut down without joining: it never will."""
+        gone = sorted(self._shut - self.joined)
+        if gone:
+            self._abort_early_shutdown(gone[0], what)
+
+    def _abort_early_shutdown(self, worker: int, what: str) -> NoReturn:
+        training = [w for w in range(self.workers) if w not in self._shut]
+        self._abort(f"worker {worker} shut down while workers {training} still train ({what}); a worker that runs "
+                    "out of data must call imerge_hooks.join()")
+
+    def _describe_key(self, key: int) -> str:
+        state = self.keys.get(key)
+        return state.spec.describe() if state is not None else f"key {key}"
+
     # ------------------------------------------------------------------ registration
     def _on_register(self, source: int, request: dict) -> None:
+        if self.joined:
+            self._refuse_register_during_join(source, request)
+            return
         self._registrations[source] = request
         if len(self._registrations) < self.workers:
             return
@@ -204,6 +288,18 @@ class Server:
             self.comm.send({"op": "ack", "epoch": self.epoch, "server": self.index}, dest=worker, tag=TAG_REPLY)
         log.debug("IMerge server %d: plan epoch %d with %d keys", self.index, self.epoch, len(self.keys))
 
+    def _refuse_register_during_join(self, source: int, request: dict) -> None:
+        """A plan epoch cannot change while some worker waits in join(): it would never register."""
+        error = (f"IMerge server {self.index}: worker {source} registers plan epoch {request.get('epoch')} while "
+                 f"worker(s) {sorted(self.joined)} have joined (out of data); a plan change (the end of "
+                 "profile_steps, layers frozen or unfrozen) cannot happen during join(): make profile_steps smaller "
+                 "than the shortest worker's number of steps")
+        log.error("%s", error)
+        self._registrations.pop(source, None)
+        self.comm.send({"op": "error", "message": error}, dest=source, tag=TAG_REPLY)
+        for worker in self.joined:
+            self.comm.send({"op": "error", "message": error}, dest=worker, tag=TAG_REPLY)
+
     @staticmethod
     def _make_state(spec: KeySpec) -> _KeyState:
         dtype = DTYPE_BY_NAME[spec.dtype]
@@ -215,7 +311,8 @@ class Server:
         return _KeyState(spec, wire, acc, out)
 
     # ------------------------------------------------------------------ data
-    def _on_push(self, msg: MPI.Message, source: int, key: int, nbytes: int) -> None:
+    def _on_push(self, msg: MPI.Message, source: int, tag: int, nbytes: int) -> None:
+        key, round_number = split_key_tag(tag)
         state = self.keys.get(key)
         problem = None
         if state is None:
@@ -227,6 +324,8 @@ class Server:
         elif source in state.arrived or source in _matched_sources(state):
             problem = (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} twice "
                        "in one round")
+        else:
+            problem = self._round_problem(state, source, round_number)
         if problem is not None:
             msg.Recv([bytearray(max(nbytes, 1)), MPI.BYTE])
             log.error("%s", problem)
@@ -237,6 +336,31 @@ class Server:
             state.held.append((msg, source, nbytes))
             return
         self._accept(state, msg, source, nbytes)
+
+    def _round_problem(self, state: _KeyState, source: int, round_number: int) -> str | None:
+        """A push must be for the key's open round, or open the round after the last completed one.
+
+        A worker's push of round r+1 can only follow its result of round r, which the server sends
+        once every push of round r is in, so pushes of two rounds never mix at a key: a
+        different number means some worker skipped or repeated a step (``step()`` without a
+        backward on one worker, a missing ``step()``, a different number of ``backward()`` calls).
+        """
+        if state.open_round is None:
+            if round_number == state.last_round:
+                return (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} again for a "
+                        "step whose round this key has already completed: it is behind the other workers (every "
+                        "worker must call backward() and step() the same number of times)")
+            state.open_round = round_number
+            return None
+        if round_number == state.open_round:
+            return None
+        others = sorted(state.arrived | _matched_sources(state))
+        ahead = (round_number - state.open_round) % ROUND_TAGS
+        where = (f"{ahead} step(s) ahead of" if ahead < ROUND_TAGS / 2 else
+                 f"{ROUND_TAGS - ahead} step(s) behind" if ahead > ROUND_TAGS / 2 else "2 steps apart from")
+        return (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} for a step "
+                f"{where} worker(s) {others}: workers are out of step (one skipped a backward before step(), or "
+                "called step() or backward() a different number of times)")
 
     def _accept(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
         """Start receiving a matched push of a key that is not receiving one, unless it begins a new
@@ -261,8 +385,7 @@ class Server:
                 state.held_since = None
                 self._start_receive(state, *state.held.popleft())
             elif now - state.held_since > self.cfg.timeout_s:
-                raise TimeoutError(f"IMerge server {self.index}: result of {state.spec.describe()} was not "
-                                   f"taken by every worker within {self.cfg.timeout_s} s")
+                self._abort_results_not_taken(state)
 
     def _start_receive(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
         first = state.count == 0
@@ -315,7 +438,7 @@ class Server:
             if self._progress_receives(full=True):
                 backoff.reset()
                 continue
-            self._abort_late_receives(time.monotonic())
+            self._abort_late_receives(self._tick())
             backoff.idle()
 
     def _abort_late_receives(self, now: float) -> None:
@@ -323,30 +446,29 @@ class Server:
         for state in self._in_flight.values():
             r = state.receiving
             if now - r.started > self.cfg.timeout_s:
-                log.error("IMerge server %d: the push of %s from worker %d did not finish arriving within %.0f s "
-                          "(timeout_s): aborting the job", self.index, state.spec.describe(), r.source,
-                          self.cfg.timeout_s)
-                MPI.COMM_WORLD.Abort(3)
+                self._abort(f"the push of {state.spec.describe()} from worker {r.source} did not finish arriving "
+                            f"within {self.cfg.timeout_s:.0f} s (timeout_s)")
 
     def _complete(self, state: _KeyState) -> None:
         """Every worker that still trains has pushed: send the average (rescaled if some joined)."""
         if self.timeline is not None:
             self.timeline.span(f"key {state.spec.key} ({', '.join(state.spec.names[:2])})", "server",
                                state.first_push_at, time.monotonic())
-        if state.count < self.workers:
-            # Joined workers count as zero contributions; the sum was scaled by 1/W, so this
-            # makes it the average over the workers that did contribute.
+        if state.count < self.workers and self.cfg.join_divisor == "active":
+            # Joined workers count as zero contributions and the sum was scaled by 1/W (the
+            # default divisor); this makes it the average over the workers that did contribute.
             state.acc.mul_(self.workers / state.count)
         if state.out is not state.acc:
             state.out.copy_(state.acc)
         dests = sorted(state.arrived)  # joined workers posted no receive for this round
         state.count = 0
         state.arrived = set()
+        state.last_round, state.open_round = state.open_round, None
         if self._delay_per_byte and not state.spec.names[0].startswith("calibration."):
             heapq.heappush(self._delayed, (time.monotonic() + state.spec.nbytes * self._delay_per_byte,
-                                           state.spec.key, dests))
+                                           state.spec.key, dests, state.last_round))
         else:
-            self._send_result(state, dests)
+            self._send_result(state, dests, state.last_round)
 
     def _on_join(self, source: int) -> None:
         self.joined.add(source)
@@ -359,29 +481,34 @@ class Server:
                 self.comm.send({"op": "all_joined", "last": self.last_joined}, dest=worker, tag=TAG_REPLY)
             self.joined = set()
 
-    def _send_result(self, state: _KeyState, dests: list[int]) -> None:
-        tag = KEY_TAG_BASE + state.spec.key
+    def _send_result(self, state: _KeyState, dests: list[int], round_number: int) -> None:
+        tag = key_tag(state.spec.key, round_number)
         state.sends = [self.comm.Isend(state.out_buf, dest=w, tag=tag) for w in dests]
+        state.send_to, state.sent_at = list(dests), time.monotonic()
         for request in state.sends:
             self._sending.add(request, state)
 
     def _send_due(self) -> None:
         now = time.monotonic()
         while self._delayed and self._delayed[0][0] <= now:
-            _, key, dests = heapq.heappop(self._delayed)
-            self._send_result(self.keys[key], dests)
+            _, key, dests, round_number = heapq.heappop(self._delayed)
+            self._send_result(self.keys[key], dests, round_number)
 
     def _wait_key_sends(self, state: _KeyState) -> None:
         if not state.sends:
             return
-        deadline = time.monotonic() + self.cfg.timeout_s
         backoff = Backoff()
         while not MPI.Request.Testall(state.sends):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"IMerge server {self.index}: result of {state.spec.describe()} was not "
-                                   f"taken by every worker within {self.cfg.timeout_s} s")
+            if self._tick() - state.sent_at > self.cfg.timeout_s:
+                self._abort_results_not_taken(state)
             backoff.idle()
         state.sends = []
+
+    def _abort_results_not_taken(self, state: _KeyState) -> None:
+        """A key's result has not reached every worker within ``timeout_s``: name the ones it did not."""
+        late = [w for w, request in zip(state.send_to, state.sends) if request and not request.Test()]
+        self._abort(f"worker(s) {late} did not take the result of {state.spec.describe()} within "
+                    f"{self.cfg.timeout_s:.0f} s (timeout_s): they are dead or stuck")
 
     def _progress_sends(self) -> None:
         """Retire finished result sends with one progress call (not one per key)."""
@@ -398,10 +525,8 @@ class Server:
         for state in self.keys.values():
             if state.count and now - state.first_push_at > self.cfg.timeout_s:
                 missing = sorted(set(range(self.workers)) - state.arrived)
-                log.error("IMerge server %d: %s waited %.0f s (timeout_s) for worker(s) %s (tensors: %s); they are "
-                          "dead or stuck: aborting the job", self.index, state.spec.describe(),
-                          now - state.first_push_at, missing, ", ".join(state.spec.names))
-                MPI.COMM_WORLD.Abort(3)
+                self._abort(f"{state.spec.describe()} waited {now - state.first_push_at:.0f} s (timeout_s) for "
+                            f"worker(s) {missing} (tensors: {', '.join(state.spec.names)}); they are dead or stuck")
             if state.count and not state.warned and now - state.first_push_at > self.cfg.stall_warning_s:
                 state.warned = True
                 missing = sorted(set(range(self.workers)) - state.arrived)
@@ -421,8 +546,13 @@ def _compare_tables(regs: dict[int, dict], server: int) -> str | None:
     ref_worker = min(regs)
     ref = table_from_wire(regs[ref_worker]["keys"])
     for worker in sorted(regs):
-        if worker == ref_worker:
+        if worker == ref_worker or regs[worker].get("digest") == regs[ref_worker].get("digest"):
             continue
+        problem = _compare_tensors(regs[ref_worker].get("tensors", []), regs[worker].get("tensors", []))
+        if problem is not None:
+            return (f"model mismatch detected by server {server}: {problem.format(worker=worker, ref=ref_worker)}; "
+                    "every worker must build the same model (same parameter names, shapes and dtypes, in the same "
+                    "order)")
         mine = table_from_wire(regs[worker]["keys"])
         for a, b in zip(ref, mine):
             if (a.nbytes, a.dtype, a.names) != (b.nbytes, b.dtype, b.names):
@@ -434,6 +564,20 @@ def _compare_tables(regs: dict[int, dict], server: int) -> str | None:
             extra = longer[min(len(ref), len(mine))]
             return (f"model mismatch detected by server {server}: worker {worker} has {len(mine)} keys "
                     f"but worker {ref_worker} has {len(ref)}; only worker {which} has {extra.describe()}")
+    return None
+
+
+def _compare_tensors(ref: list, mine: list) -> str | None:
+    """The first tensor (name, shape, dtype) that differs, with {worker}/{ref} left to fill in."""
+    for position, (a, b) in enumerate(zip(ref, mine)):
+        if tuple(a) != tuple(b):
+            return (f"tensor {b[0]!r} {tuple(b[1])} {b[2]} on worker {{worker}} stands where worker {{ref}} has "
+                    f"{a[0]!r} {tuple(a[1])} {a[2]} (position {position} of the tensor table)")
+    if len(ref) != len(mine):
+        longer, which = (ref, "{ref}") if len(ref) > len(mine) else (mine, "{worker}")
+        extra = longer[min(len(ref), len(mine))]
+        return (f"worker {{worker}} has {len(mine)} tensors but worker {{ref}} has {len(ref)}; only worker {which} "
+                f"has {extra[0]!r} {tuple(extra[1])}")
     return None
 
 

@@ -53,8 +53,14 @@ class Topology:
         return list(range(self.num_workers))
 
 
-def build_topology(num_servers: int) -> Topology:
-    """Split COMM_WORLD into roles (collective over COMM_WORLD)."""
+def build_topology(num_servers: int, timeout_s: float = 600.0) -> Topology:
+    """Split COMM_WORLD into roles (collective over COMM_WORLD).
+
+    First every rank's machine is gathered with a deadline (``timeout_s``): it also tells that
+    every rank has arrived, before the blocking MPI calls that split the world.
+    """
+    from .runtime import collective  # runtime imports this module
+
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     if num_servers < 0:
@@ -71,6 +77,8 @@ def build_topology(num_servers: int) -> Topology:
             f"(e.g. `mpiexec -n {workers + 1} -env IMERGE_NUM_SERVERS 1 python train.py` with MPICH, "
             f"`mpirun -np {workers + 1} -x IMERGE_NUM_SERVERS=1 ...` with Open MPI) or pass "
             "num_servers to imerge_hooks.init().")
+    machines = collective(world, "allgather", machine_identity(), "the ranks' machines", timeout_s=timeout_s,
+                          ranks="world rank")
     data_comm = world.Dup()
     data_comm.Set_name("imerge-data")
     is_server = rank >= workers
@@ -82,7 +90,6 @@ def build_topology(num_servers: int) -> Topology:
         local_rank, local_size = node.Get_rank(), node.Get_size()
         node.Free()
     everyone_here = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
-    machines = world.allgather(machine_identity())
     # MPI's view of "this node" misses ranks that it was told to treat as remote (separate network
     # namespaces, MPIR_CVAR_NOLOCAL, containers); they still share this machine's cores.
     ranks_on_node = max(everyone_here.Get_size(), machines.count(machines[rank]))
@@ -105,4 +112,7 @@ def server_for_key(key: int, num_servers: int) -> int:
 
 
 def worker_hostnames(topology: Topology) -> list[str]:
-    return topology.worker_comm.allgather(socket.gethostname())
+    """Every worker's host name, by worker rank (collective over workers, with a deadline)."""
+    from .runtime import collective  # runtime imports this module
+
+    return collective(topology.worker_comm, "allgather", socket.gethostname(), "the workers' host names")

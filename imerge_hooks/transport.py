@@ -9,8 +9,13 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
 * ``TAG_TIMELINE`` server -> worker 0 at shutdown, pickled timeline events (``IMERGE_TIMELINE``).
 * ``TAG_DECISION`` worker 0 -> the other workers (on the workers' communicator), a pickled
   decision such as the fusion plan (``runtime.from_worker0``).
-* ``KEY_TAG_BASE + key``: raw bytes of one key, worker -> server (push) and the averaged
-  result (sum / W, scaled by the server as it adds) server -> worker (pull). The worker
+* ``TAG_COLLECTIVE`` rank -> rank (on the workers' communicator, or COMM_WORLD during ``init``),
+  a pickled value of a collective with a deadline (``runtime.collective``).
+* ``key_tag(key, round)``: raw bytes of one key, worker -> server (push) and the averaged
+  result (sum / W, scaled by the server as it adds) server -> worker (pull). The tag carries
+  the round (the worker's step number) modulo ``ROUND_TAGS``: the server refuses a push
+  whose round differs from the other pushes of the key's open round, or repeats the last
+  completed one (a worker that skipped or repeated a step is named at once). The worker
   posts the ``Irecv`` for the result before the ``Isend`` of the push. One outstanding push
   per (worker, key); MPI's non-overtaking rule keeps successive iterations of a key apart.
 """
@@ -29,6 +34,7 @@ TAG_REPLY = 2
 TAG_ERROR = 3
 TAG_TIMELINE = 4
 TAG_DECISION = 5
+TAG_COLLECTIVE = 6
 KEY_TAG_BASE = 16
 
 SUPPORTED_DTYPES = {
@@ -55,8 +61,17 @@ class KeySpec:
         return f"key {self.key} ({self.nbytes} bytes {self.dtype}: {shown})"
 
 
-def key_tag(key: int) -> int:
-    return KEY_TAG_BASE + key
+ROUND_TAGS = 4  # a push's tag carries its round (step) modulo this, so misaligned workers are caught
+
+
+def key_tag(key: int, round_number: int) -> int:
+    """Tag of one key's push and result in one round (the step it belongs to)."""
+    return KEY_TAG_BASE + key * ROUND_TAGS + round_number % ROUND_TAGS
+
+
+def split_key_tag(tag: int) -> tuple[int, int]:
+    """(key, round modulo ROUND_TAGS) of a key tag."""
+    return divmod(tag - KEY_TAG_BASE, ROUND_TAGS)
 
 
 def as_mpi_buffer(tensor: torch.Tensor) -> list:

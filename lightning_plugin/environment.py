@@ -27,7 +27,7 @@ class IMergeEnvironment(ClusterEnvironment):
         if self._server:
             self._node_rank = 0
         else:
-            hosts = topo.worker_comm.allgather(socket.gethostname())
+            hosts = runtime.collective(topo.worker_comm, "allgather", socket.gethostname(), "the workers' host names")
             self._node_rank = sorted(set(hosts)).index(hosts[topo.worker_rank])
 
     @property

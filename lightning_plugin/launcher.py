@@ -12,7 +12,6 @@ exit) reaches a server before every worker's end of this stage.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +19,6 @@ from pytorch_lightning.strategies.launchers.launcher import _Launcher
 from pytorch_lightning.trainer.states import TrainerStatus
 
 from imerge_hooks import runtime
-from imerge_hooks.errors import IMergeTimeoutError
-from imerge_hooks.polling import Backoff
 from lightning_plugin.serving import serve_stage
 
 log = logging.getLogger("imerge")
@@ -63,14 +60,4 @@ def _end_stage_after_error() -> None:
 
 def _wait_for_all_workers() -> None:
     """Barrier over the workers, polled (MPICH spins otherwise) and bounded by ``timeout_s``."""
-    topo = runtime.topology()
-    if topo.num_workers == 1:
-        return
-    request = topo.worker_comm.Ibarrier()
-    deadline = time.monotonic() + runtime.config().timeout_s
-    backoff = Backoff()
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise IMergeTimeoutError(f"IMerge worker {topo.worker_rank}: waited {runtime.config().timeout_s:.0f} s "
-                                     "for the other workers to finish this Trainer stage")
-        backoff.idle()
+    runtime.collective(runtime.topology().worker_comm, "barrier", None, "the end of this Trainer stage")

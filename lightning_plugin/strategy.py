@@ -133,15 +133,20 @@ class IMergeStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     def _synchronize_before_manual_clipping(self) -> None:
-        """``LightningModule.clip_gradients`` (manual optimization) must see the averaged gradients."""
+        """``LightningModule.clip_gradients`` (manual optimization) must see the averaged gradients.
+
+        Lightning calls it after every automatic-optimization closure too, with ``clip_val=0`` when
+        nothing is clipped: that call must not synchronize, or no step could defer its update.
+        """
         plugin = self.precision_plugin
         if getattr(plugin, "_imerge_clip", False):
             return
         clip = plugin.clip_gradients
 
-        def clip_gradients(optimizer: Any, *args: Any, **kwargs: Any) -> None:
-            _synchronize(optimizer)
-            clip(optimizer, *args, **kwargs)
+        def clip_gradients(optimizer: Any, clip_val: float | None = 0.0, *args: Any, **kwargs: Any) -> None:
+            if clip_val and clip_val > 0:
+                _synchronize(optimizer)
+            clip(optimizer, clip_val, *args, **kwargs)
 
         plugin.clip_gradients = clip_gradients
         plugin._imerge_clip = True

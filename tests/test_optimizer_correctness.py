@@ -58,11 +58,6 @@ def test_backward_passes_per_step(tmp_path):
     assert max_diff(got, reference_train("sgd", 5, passes=1)) <= TOL
 
 
-@pytest.fixture(scope="session")
-def cost_model_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("costmodel")
-
-
 @pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
 def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_model_dir, workers, servers):
     """profile_steps=3: iterations 0-2 use one tensor per group, then the plan epoch changes."""

@@ -31,14 +31,14 @@ runtime.register_keys(client, [KeySpec(k_key, numel * 4, "float32", 0, ("k",)),
                                KeySpec(j_key, 1024 * 4, "float32", 0, ("j",))])
 
 
-def push(key: int, value: float, n: int):
+def push(key: int, value: float, n: int, round_number: int = 1):
     data = torch.full((n,), value)
-    return comm.Isend(as_mpi_buffer(data), dest=server, tag=key_tag(key)), data
+    return comm.Isend(as_mpi_buffer(data), dest=server, tag=key_tag(key, round_number)), data
 
 
-def receive(key: int, n: int):
+def receive(key: int, n: int, round_number: int = 1):
     out = torch.empty(n)
-    return comm.Irecv(as_mpi_buffer(out), source=server, tag=key_tag(key)), out
+    return comm.Irecv(as_mpi_buffer(out), source=server, tag=key_tag(key, round_number)), out
 
 
 def wait(request, what: str, limit_s: float = 20.0) -> None:
@@ -61,8 +61,8 @@ topo.worker_comm.Barrier()
 if me == 0:
     wait(k_recv_0, "K round 1 result")
     assert torch.all(k_out_0 == 1.5), k_out_0[:4]
-    k_recv_2, k_out_2 = receive(k_key, numel)
-    send_k2, data = push(k_key, 10.0, numel)  # round 2 of K, while worker 1 still owes K's round-1 receive
+    k_recv_2, k_out_2 = receive(k_key, numel, 2)
+    send_k2, data = push(k_key, 10.0, numel, 2)  # round 2 of K, while worker 1 still owes K's round-1 receive
     keep.append(data)
     time.sleep(0.3)  # let the server match it first
 topo.worker_comm.Barrier()
@@ -75,8 +75,8 @@ if me == 1:
     k_recv_1, k_out_1 = receive(k_key, numel)  # only now: round 1's result of K
     wait(k_recv_1, "K round 1 result")
     assert torch.all(k_out_1 == 1.5), k_out_1[:4]
-    k_recv_2, k_out_2 = receive(k_key, numel)
-    send_k2, data = push(k_key, 20.0, numel)
+    k_recv_2, k_out_2 = receive(k_key, numel, 2)
+    send_k2, data = push(k_key, 20.0, numel, 2)
     keep.append(data)
 wait(send_j, "J push")
 wait(send_k2, "K round 2 push")

@@ -1,6 +1,6 @@
 """Workers with different numbers of batches; each calls imerge_hooks.join() when out of data.
 
-Usage: python uneven.py OUT SCHEDULE N0 N1 [N2 ...]   (Ni = batches of worker i)
+Usage: python uneven.py OUT SCHEDULE N0 N1 [N2 ...]   (Ni = batches of worker i; OUT has {rank})
 """
 
 import sys
@@ -22,6 +22,5 @@ for step in range(counts[rank]):
     loss_fn(model, shard(x, rank, world), shard(y, rank, world)).backward()
     opt.step()
 last = imh.join()
-if rank == counts.index(max(counts)):
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out.format(rank=rank))
 say(rank, "joined; last to join:", last)

@@ -1,0 +1,106 @@
+"""Fail fast, never hang: whatever happens to one rank, the whole job ends soon, with a non-zero
+exit code and a message that names that rank.
+
+Each case trains 2 workers + 1 server (``scripts/kill_rank.py``) and makes one rank fail at
+step 3. The victim prints the wall-clock time at which it fails; the test measures from then
+until mpiexec returned, and checks that no rank of the job is left.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpirun import run_mpi
+
+from imerge_hooks.server import CLOCK_JUMP_S, Server, _KeyState, _Receive
+from imerge_hooks.transport import KeySpec
+
+SCRIPT = Path(__file__).parent / "scripts" / "kill_rank.py"
+
+# (victim world rank, how, env, seconds allowed from the failure until the job is gone, the message).
+# A killed rank runs no code: mpiexec reports it, naming the PID of the first rank it reaped, which
+# is the victim's or, when mpiexec killed the others first, another rank's of this job.
+CASES = {
+    "kill worker": (1, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
+    "kill server": (2, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
+    "stop server": (2, "stop", {"IMERGE_TIMEOUT_S": "20"}, 45,
+                    r"worker \d \(world rank \d\): uncaught IMergeTimeoutError: .*server\(?s?\)? \[?0"),
+    "stop worker": (1, "stop", {"IMERGE_TIMEOUT_S": "10"}, 30,
+                    r"server 0 \(world rank 2\): .* waited \d+ s \(timeout_s\) for worker\(s\) \[1\]"),
+    "worker raises": (1, "raise", {"IMERGE_TIMEOUT_S": "600"}, 15,
+                      r"worker 1 \(world rank 1\): uncaught RuntimeError: worker 1 fails at step 3; aborting"),
+    "worker exits early": (1, "exit", {"IMERGE_TIMEOUT_S": "600"}, 15,
+                           r"server 0 \(world rank 2\): worker 1 shut down while workers \[0\] still train .*"
+                           r"imerge_hooks\.join\(\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failing_rank_ends_the_job_soon_and_is_named(case):
+    victim, how, env, limit_s, message = CASES[case]
+    run = run_mpi(SCRIPT, 3, str(victim), "3", how, servers=1, timeout=limit_s + 60, env=env)
+    gone_at = time.time()
+    output = run.stdout + run.stderr
+    failed_at = run.lines(victim, "FAILS")
+    assert failed_at, f"{case}: the victim never failed\n{output[-4000:]}"
+    pids = {rank: int(run.lines(rank, "PID")[0]) for rank in range(3)}
+    assert run.returncode != 0, f"{case} went unnoticed\n{output[-4000:]}"
+    assert "finished without noticing" not in run.stdout
+    any_pid = "(" + "|".join(map(str, pids.values())) + ")"
+    assert re.search(message.format(any_pid=any_pid), output), f"{case}: no message naming the rank\n{output[-4000:]}"
+    seconds = gone_at - float(failed_at[0].split()[-1])
+    assert seconds < limit_s, f"{case}: the job took {seconds:.1f} s to end after the failure"
+    assert not _left_over(pids.values()), f"{case}: ranks still running: {_left_over(pids.values())}"
+
+
+def _left_over(pids, grace_s: float = 3.0) -> list[int]:
+    """The processes among ``pids`` still alive after ``grace_s`` (zombies count as gone)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [pid for pid in pids if _alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_collectives_with_a_deadline_name_the_missing_worker_and_end_the_job():
+    run = run_mpi(SCRIPT.parent / "collective_timeout.py", 3, servers=1, timeout=60)
+    for me in (0, 1):
+        assert run.lines(me, "ALLGATHER") == ["[0, 10]"], run.stdout
+        assert run.lines(me, "BCAST") == ["from 1"], run.stdout
+        assert run.lines(me, "GATHER") == (["[{'rank': 0}, {'rank': 1}]"] if me == 0 else ["None"]), run.stdout
+        assert run.lines(me, "MAX") == ["5"] and run.lines(me, "BARRIER") == ["None"], run.stdout
+    (timeout,) = run.lines(0, "TIMEOUT")
+    assert "bcast of an object from worker 0 did not complete within 3 s: worker(s) [1] did not arrive" in timeout
+    assert run.returncode != 0  # the pending send makes worker 0's exit abort the job instead of hanging
+    assert "worker 0 (world rank 0): shutdown after IMergeTimeoutError" in run.stderr, run.stderr[-3000:]
+
+
+def test_a_server_that_was_stopped_restarts_its_stall_clocks_instead_of_blaming_a_worker():
+    """A gap in the server's own loop (SIGSTOP, then SIGCONT) is not time the workers were late."""
+    server = Server.__new__(Server)  # only the state _tick() reads: no MPI needed
+    server.index = 0
+    buf = torch.zeros(4)
+    state = _KeyState(KeySpec(7, 16, "float32", 0, ("w",)), buf, buf, buf, count=1, first_push_at=100.0,
+                      held_since=101.0)
+    state.receiving = _Receive(None, 1, 16, False, 102.0)
+    server.keys = {7: state}
+    server._last_tick = time.monotonic() - (CLOCK_JUMP_S + 10)
+    before = (state.first_push_at, state.held_since, state.receiving.started)
+    server._tick()
+    gap = [after - b for after, b in zip((state.first_push_at, state.held_since, state.receiving.started), before)]
+    assert all(g > CLOCK_JUMP_S + 9 for g in gap), gap
+    server._tick()  # no gap: nothing moves
+    assert state.first_push_at - before[0] == pytest.approx(gap[0])
