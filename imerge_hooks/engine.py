@@ -138,6 +138,7 @@ class GradientEngine:
             from .replan import Replanner
 
             self.listeners.remove(self.replanner)
+            self.replanner.profiler.close()  # an unfinished profile leaves global module hooks
             self.replanner = Replanner(self)
             self.listeners.append(self.replanner)
         log.info("IMerge worker %d: trainable parameters changed (%d unfrozen); plan epoch %d",
@@ -537,6 +538,8 @@ class GradientEngine:
         self.remove()
         if self._learner is not None:
             self._learner.close()
+        if self.replanner is not None:
+            self.replanner.profiler.close()
         runtime.remove_callbacks(self.flush_deferred, self.synchronize, self._take_parameters_of)
         for group in self.groups:
             group.flat = group.result = group.staging = None
