@@ -147,13 +147,13 @@ def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: 
            "--out", out, "--max-bytes", str(max_bytes)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(REPO), start_new_session=True)
+                            cwd=str(REPO), preexec_fn=os.setsid)
     timed_out = False
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank: it started its own session
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank: setsid made it a process group leader
         stdout, stderr = proc.communicate()
     wall = time.perf_counter() - start
     result = {"workers": workers, "servers": servers, "cmd": " ".join(cmd), "wall_s": wall,

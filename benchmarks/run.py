@@ -4,6 +4,8 @@ and simulated from the calibrated cost model.
     sudo .venv/bin/python benchmarks/run.py                      # the full run (see README: ~1 h)
     sudo .venv/bin/python benchmarks/run.py --models vgg16 --workers 8      # one slice
     .venv/bin/python benchmarks/run.py --no-measure             # simulated tables only (no root)
+    .venv/bin/python benchmarks/run.py --resume --no-measure --workers 2,4,8,16 --validate-workers 4,8,16
+                                                                 # the stored results/bench.json again
     sudo .venv/bin/python benchmarks/run.py --quick             # smoke run (~1-2 min)
     sudo .venv/bin/python benchmarks/run.py --timeline vgg16:8:imerge --models vgg16 --workers 8
 
@@ -152,6 +154,25 @@ def cached_psmodel(cache_dir: Path, workers: int, servers: int):
         return None
 
 
+def stored_psmodels(calibration: dict, servers: int) -> dict:
+    """The PS models a run's JSON recorded (its ``calibration``: table and fit per W), by W.
+
+    ``--resume --no-measure`` falls back on them where ``<out-dir>/cache`` has no model for that W
+    (the cache is not tracked), so the tables and the validation of a stored run can be printed
+    again from its JSON alone."""
+    from imerge_hooks.costmodel import PSModel
+
+    out = {}
+    for w, c in calibration.items():
+        try:
+            out[int(w)] = PSModel(workers=int(w), servers=servers, sizes=list(c["table"]["bytes"]),
+                                  times=list(c["table"]["time_s"]), a=c["a_s"],
+                                  bandwidth=c["bandwidth_Bps_per_server"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 def startup_for(workers: int, psmodels: dict, fallback: float) -> tuple[float, str]:
     """Per-push server startup: calibrated a / W at this W, else the median over calibrated W."""
     if workers in psmodels:
@@ -188,11 +209,11 @@ def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidt
 def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scale: float,
                 cost_model) -> dict | None:
     """The plan the engine's replan would install for a searched schedule (adaptive-ps, imerge):
-    the plan search on the cluster the calibrated cost model describes (``plansearch.cluster_for``,
+    the plan search on the cluster the calibrated cost model describes (``planchoice.cluster_for``,
     as ``choose_plan`` does), not on the cluster being predicted. None for the other schedules
     (their plans do not depend on the cluster) or without a calibrated model."""
     from imerge_hooks.config import SCHEDULE_TRAITS
-    from imerge_hooks.plansearch import cluster_for
+    from imerge_hooks.planchoice import cluster_for
     from imerge_hooks.simulate import ModelSpec, simulate
 
     cluster = cluster_for(cost_model, workers, servers) if cost_model is not None else None
@@ -218,8 +239,8 @@ def validation_plan(run: dict, servers: int, time_scale: float, cost_model) -> t
 def transfer_class(schedule: str) -> str:
     """How a schedule's pushes share a server's port: "partitioned" (credit-limited partitions) or
     "whole" (whole-group messages). TCP incast shares a port far more unevenly, and for longer, under
-    the second (link monitor, session-7 grid: connection-share CV 0.15 / 0.31 partitioned against
-    0.42 / 0.74 whole at W=4 / 8), so the simulator's sharing model takes its CV per class."""
+    the second (the link monitor's connection-share CV per W and class: ``shares`` in the JSON,
+    ``results/RESULTS.md``), so the simulator's sharing model takes its CV per class."""
     from imerge_hooks.config import SCHEDULE_TRAITS
 
     return "partitioned" if SCHEDULE_TRAITS[schedule].partition else "whole"
@@ -349,7 +370,7 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
     results: list[dict] = []
     rankinfo: list[dict] = []
     with open(log_dir / f"{tag}.stderr", "w") as err, open(log_dir / f"{tag}.stdout", "w") as out:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=os.setsid)
         timed_out = threading.Event()
 
         def kill_after() -> None:
@@ -604,7 +625,9 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--validate-workers", default="4,8")
     ap.add_argument("--sim-startup-us", type=float, default=None,
                     help="server startup per push for the simulator (default: calibrated a/W)")
-    ap.add_argument("--no-measure", action="store_true", help="simulated tables only (no netlab, no root)")
+    ap.add_argument("--no-measure", action="store_true",
+                    help="no netlab, no root: the simulated tables, and with --resume the stored measured runs' "
+                         "tables, validation and plots again")
     ap.add_argument("--timeline", nargs="?", const="auto", default=None, metavar="MODEL:W:SCHEDULE",
                     help="one extra measured launch with IMERGE_TIMELINE + the simulator's trace")
     ap.add_argument("--quick", action="store_true",
@@ -741,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     launches: list[dict] = doc.get("measured", {}).get("launches", []) if keep else []
     baseline_runs: dict = doc.get("measured", {}).get("baseline", {}) if keep else {}
     fabric_kept = doc.get("fabric", {}) if keep else {}
+    calibration_kept = doc.get("calibration", {}) if keep else {}
     doc = {"description": "IMerge benchmark (benchmarks/run.py): cells are samples/s of the whole cluster",
            "config": config, "machine": machine_info(),
            "measured": {"runs": measured_runs, "launches": launches, "baseline": baseline_runs},
@@ -876,6 +900,9 @@ def main(argv: list[str] | None = None) -> int:
     # ------------------------------------------------------------------ calibration + simulation
     psmodels = {w: m for w in sorted(set(args.workers) | set(args.sim_workers))
                 if (m := cached_psmodel(cache_dir, w, S)) is not None}
+    for w, m in stored_psmodels(calibration_kept, S).items():  # a fresh clone re-reporting a stored run
+        if w not in psmodels and w in set(args.workers) | set(args.sim_workers):
+            psmodels[w] = m
     doc["calibration"] = {str(w): {"a_s": m.a, "bandwidth_Bps_per_server": m.bandwidth, "startup_per_push_s": m.a / w,
                                    "table": {"bytes": m.sizes, "time_s": m.times}} for w, m in psmodels.items()}
     if psmodels:

@@ -206,11 +206,11 @@ def run_env(servers: int, cache_dir: Path, timeout: float) -> dict[str, str]:
 
 
 def launch(cmd: list[str], env: dict[str, str], timeout: float) -> dict:
-    """Run one mpiexec job in its own session; kill the whole job on timeout."""
+    """Run one mpiexec job as its own process group (setsid); kill the whole job on timeout."""
     start = time.perf_counter()
     load = loadavg()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(REPO), start_new_session=True)
+                            cwd=str(REPO), preexec_fn=os.setsid)
     timed_out = False
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

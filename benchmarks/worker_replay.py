@@ -79,21 +79,9 @@ def _prefer_oom_kill() -> None:
 
 
 def _retire(opt) -> None:
-    """Drop an engine so the next schedule starts clean and memory is returned.
-
-    Uses IMerge internals (there is no public ``close()`` on a DistributedOptimizer yet): remove
-    the gradient hooks, unregister the runtime callbacks, and register an empty key table for
-    its client id so the servers free their per-key buffers.
-    """
-    from imerge_hooks import runtime
-
-    engine = opt._imerge_engine
-    st = runtime._state
-    if engine.replanner is not None:
-        engine.replanner.profiler.close()
-    runtime.register_keys(engine.client, [])
-    st.tables.pop(engine.client, None)
-    engine.close()  # hooks, callbacks and buffers (one arena each for gradients and results)
+    """Drop an engine so the next schedule starts clean and memory is returned (the servers free
+    its keys; hooks, callbacks and its buffers go)."""
+    opt.close()
 
 
 def share_parameters(model: torch.nn.Module, path: str) -> None:

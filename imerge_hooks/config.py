@@ -7,12 +7,16 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+# Options of the whole process, set by imerge_hooks.init() (or IMERGE_* env vars); every other
+# option belongs to one engine (DistributedOptimizer, IMergeHookState, IMergeStrategy's optimizers).
+PROCESS_OPTIONS = frozenset({"num_servers", "timeout_s", "stall_warning_s", "polling", "cost_model_path",
+                             "calibrate", "timeline"})
 SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
 
 
 @dataclass(frozen=True)
 class ScheduleTraits:
-    """What a schedule name switches on (see DESIGN.md, "Schedules")."""
+    """What a schedule name switches on (see docs/architecture.md, "Schedules")."""
 
     planner: str  # none | threshold | mgwfbp | optimal
     push_after_backward: bool  # `default`: nothing leaves before synchronize()
@@ -50,9 +54,9 @@ class Config:
     schedule: str = "imerge"
     backward_passes_per_step: int = 1
     partition_bytes: int = 4 * _MiB
-    credit_bytes: int = 8 * _MiB  # measured: AlexNet W=8 on the emulated cluster, 8 MiB beats 64 MiB by ~12%
+    credit_bytes: int = 8 * _MiB  # A/B of other sizes: benchmarks/run.py --alternate credit_bytes=...
     fusion_threshold_bytes: int = 25 * _MiB
-    # None: off. An A/B in one plan (AlexNet W=8, emulated cluster) found no gain; see flowcontrol
+    # None: off; it did not pay on the emulated cluster (benchmarks/run.py --alternate; see flowcontrol)
     result_window_bytes: int | None = RESULT_WINDOW_BYTES
     # Partitioned, planned schedules (imerge): while the next forward's first gradients are due,
     # other keys in flight are held to this (flowcontrol, "tail credit"). None: off.

@@ -23,10 +23,9 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .config import Config
 from .errors import IMergeConfigError
-from .layout import Group, Placement, cut_keys, dtype_name, names_in_range
-from .plansearch import choose_plan
+from .layout import Group, Placement, cut_keys, dtype_name, names_in_range, wire_dtype
+from .planchoice import choose_plan
 from .scheduler import SchedulePolicy
 from .transport import SUPPORTED_DTYPES, KeySpec
 
@@ -47,7 +46,7 @@ class IMergeHookState:
     def __init__(self, schedule: str = "wfbp", named_parameters: Any | None = None, **config: Any) -> None:
         if not runtime.is_initialized():
             runtime.init()
-        self.cfg = Config.from_env(runtime.config(), schedule=schedule, **config)
+        self.cfg = runtime.engine_config("IMergeHookState", schedule=schedule, **config)
         if self.cfg.schedule not in _BUCKET_SCHEDULES:
             raise IMergeConfigError(
                 f"IMerge: schedule {self.cfg.schedule!r} overlaps with the next forward pass, which a DDP comm hook "
@@ -60,10 +59,25 @@ class IMergeHookState:
         self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
                                      credit_bytes=self.cfg.credit_bytes if traits.partition else None,
                                      result_window_bytes=self.cfg.result_window_bytes if traits.partition else None)
+        self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
+        self._attach()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a checkpoint, ``pickle`` or ``deepcopy`` keeps: the settings, not the communicator
+        and buffers (as PowerSGD's state drops its process group); ``__setstate__`` re-attaches."""
+        return {"cfg": self.cfg, "policy": self.policy, "names": self.names}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if not runtime.is_initialized():
+            runtime.init()
+        self._attach()
+
+    def _attach(self) -> None:
+        """Bind to this process's IMerge runtime with a fresh bucket layout (registered on first use)."""
         self.topo = runtime.topology()
         self.comm = runtime.comm_thread()
         self.client = runtime.new_client_id()
-        self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         self.groups: dict[int, Group] = {}  # bucket index -> group
         self.layout: dict[int, tuple] = {}  # bucket index -> (numel, dtype, device, names)
         self.epoch = 0
@@ -104,7 +118,9 @@ class IMergeHookState:
         if index == 0:
             self.groups, self.layout = {}, {}
             self.merged, self.merged_of, self.samples = None, {}, []  # re-profile the new buckets
-        numel, esize = buffer.numel(), buffer.element_size()
+        numel = buffer.numel()
+        wire = wire_dtype(buffer.dtype, self.cfg.compression)
+        esize = wire.itemsize
         ranges = cut_keys(numel, esize, self.cfg.partition_bytes if self.cfg.traits.partition else None,
                           self.topo.num_servers)
         placement = Placement(self.topo.num_servers)
@@ -112,14 +128,12 @@ class IMergeHookState:
             for k in g.keys:
                 placement.place(k.nbytes)
         ids = runtime.allocate_keys(len(ranges))
-        keys = [KeySpec(key, (end - start) * esize, SUPPORTED_DTYPES[buffer.dtype],
+        keys = [KeySpec(key, (end - start) * esize, SUPPORTED_DTYPES[wire],
                         placement.place((end - start) * esize), names_in_range(spans, start, end))
                 for key, (start, end) in zip(ids, ranges)]
-        on_host = buffer.device.type == "cpu"
-        result = torch.empty(numel, dtype=buffer.dtype, pin_memory=not on_host and torch.cuda.is_available())
-        self.groups[index] = Group(index=index, flat=buffer, result=result, keys=keys, key_ranges=ranges,
-                                   priority=-index, names=tuple(n for n, _, _ in spans),
-                                   staging=None if on_host else torch.empty_like(result), members=[index])
+        self.groups[index] = Group(index=index, flat=buffer, keys=keys, key_ranges=ranges, priority=-index,
+                                   names=tuple(n for n, _, _ in spans), members=[index],
+                                   **_wire_buffers(buffer, wire))
         self.layout[index] = signature
         all_keys = [k for i in sorted(self.groups) for k in self.groups[i].keys]
         self.epoch = runtime.register_keys(self.client, all_keys)
@@ -161,7 +175,8 @@ class IMergeHookState:
         for gi, members in enumerate(decision):
             buckets = [order[j] for j in members]
             flat = torch.cat([self.groups[b].flat.detach().reshape(-1) for b in buckets])
-            ranges = cut_keys(flat.numel(), flat.element_size(), None, self.topo.num_servers)
+            wire = wire_dtype(flat.dtype, self.cfg.compression)
+            ranges = cut_keys(flat.numel(), wire.itemsize, None, self.topo.num_servers)
             ids = runtime.allocate_keys(len(ranges))
             names = tuple(n for b in buckets for n in self.groups[b].names)
             spans, offset = [], 0
@@ -169,14 +184,12 @@ class IMergeHookState:
                 for n in self.groups[b].names:
                     spans.append((n, offset, 0))
                 offset += self.groups[b].flat.numel()
-            gkeys = [KeySpec(k, (e - s_) * flat.element_size(), SUPPORTED_DTYPES[flat.dtype],
-                             placement.place((e - s_) * flat.element_size()), names)
+            gkeys = [KeySpec(k, (e - s_) * wire.itemsize, SUPPORTED_DTYPES[wire],
+                             placement.place((e - s_) * wire.itemsize), names)
                      for k, (s_, e) in zip(ids, ranges)]
             keys += gkeys
-            on_host = flat.device.type == "cpu"
-            merged.append(Group(index=gi, flat=flat, result=torch.empty_like(flat, device="cpu"), keys=gkeys,
-                                key_ranges=ranges, priority=-min(buckets), names=names, members=buckets,
-                                staging=None if on_host else torch.empty_like(flat, device="cpu")))
+            merged.append(Group(index=gi, flat=flat, keys=gkeys, key_ranges=ranges, priority=-min(buckets),
+                                names=names, members=buckets, **_wire_buffers(flat, wire)))
             for b in buckets:
                 self.merged_of[b] = gi
         self.merged = merged
@@ -208,6 +221,15 @@ class IMergeHookState:
 
         group.callbacks.append(complete)
         self.comm.submit(group, self.policy)
+
+
+def _wire_buffers(flat: torch.Tensor, wire: torch.dtype) -> dict[str, torch.Tensor | None]:
+    """A group's result buffer in the wire dtype (host memory) and, when the gradients are on a GPU
+    or go compressed, the host staging copy they are pushed from (``Group.send_buffer``)."""
+    on_host = flat.device.type == "cpu"
+    result = torch.empty(flat.numel(), dtype=wire, pin_memory=not on_host and torch.cuda.is_available())
+    staging = None if on_host and wire == flat.dtype else torch.empty_like(result)
+    return {"result": result, "staging": staging}
 
 
 def ps_hook(state: IMergeHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

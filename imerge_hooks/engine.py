@@ -530,11 +530,14 @@ class GradientEngine:
         self._hooks = {}
 
     def close(self) -> None:
-        """Retire this engine: hooks and runtime callbacks go, group buffers are released.
+        """Retire this engine: hooks and runtime callbacks go, its keys leave the servers (a plan
+        epoch, so every worker closes at the same point), group buffers are released.
 
         Gradients that are views into those buffers keep them alive until they are dropped.
         """
         self.flush_deferred()
+        if self.groups and self.comm is not None and self.comm.failed is None:
+            runtime.unregister_keys(self.client)
         self.remove()
         if self._learner is not None:
             self._learner.close()

@@ -5,14 +5,15 @@
   only reorder what still waits for credit.
 * **Result window** bounds the bytes pushed whose *result* has not come back. A key's result
   leaves the server only when the slowest worker has pushed it, and TCP shares a server's
-  ingress unevenly among the workers (measured on netlab: push rates spread with a CV of
-  ~0.4 for about a second). Without this window the favoured workers run ahead, the server's
-  ingress fills with pushes of keys that cannot complete yet, and its egress idles until a
-  burst of results at the end of the push phase. With it, a worker that is a window ahead
-  waits and its share of the ingress goes to the workers it waits for. It is off by default
-  (``Config.result_window_bytes``): measured on netlab with the plan held fixed (AlexNet,
-  W=8, 16 MiB, ``benchmarks/run.py --alternate result_window_bytes=none``) it changed the
-  iteration time by less than the noise.
+  ingress unevenly among the workers, for up to about a second at a time (the link monitor of
+  ``benchmarks/run.py``, ``benchmarks/netlab/linkmon.py``, measures the spread). Without this
+  window the favoured workers run ahead, the server's ingress fills with pushes of keys that
+  cannot complete yet, and its egress idles until a burst of results at the end of the push
+  phase. With it, a worker that is a window ahead waits and its share of the ingress goes to
+  the workers it waits for. It is off by default
+  (``Config.result_window_bytes``) because on the emulated cluster it did not pay;
+  ``benchmarks/run.py --alternate result_window_bytes=none`` measures it with the plan held
+  fixed (an A/B inside one launch).
 
 Waiting for other workers' pushes could deadlock, because workers push keys in different
 orders (stagger rotates each group's keys per worker; priority preemption depends on timing).
@@ -26,13 +27,15 @@ the same: after that long without a result, one more push goes out, with a warni
 
 * **Tail credit** protects the gradients the next forward waits for first. They are the last
   of the backward (the front layers; the plan's last group, whose keys are *urgent*), and a
-  push that has started cannot be overtaken on its connection (measured on netlab, ResNet-50
-  W=8: the last key of the backward waited 0.5-0.9 s behind layer4 partitions pushed a few ms
-  before it was ready, and the forward with it). So from the moment that group is due within
-  about one credit's round trip (the *tail*: :func:`tail_start_group` picks the group whose
-  submission starts it) until its keys are delivered, other keys may only have ``tail_credit``
-  bytes in flight; urgent keys keep the full credit. Links stay busy meanwhile: the servers'
-  ingress is shared by all workers, so a small credit each still keeps it full.
+  push that has started cannot be overtaken on its connection: without the tail credit the
+  last key of the backward can wait behind partitions pushed a few ms before it was ready, and
+  the next forward with it (``benchmarks/run.py --timeline`` and ``benchmarks/timeline_report.py``
+  show the forward's first wait; ``--alternate tail_credit_bytes=none`` is the A/B). So from
+  the moment that group is due within about one credit's round trip (the *tail*:
+  :func:`tail_start_group` picks the group whose submission starts it) until its keys are
+  delivered, other keys may only have ``tail_credit`` bytes in flight; urgent keys keep the
+  full credit. Links stay busy meanwhile: the servers' ingress is shared by all workers, so a
+  small credit each still keeps it full.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Host buffers for gradient traffic, backed by transparent huge pages where the OS allows.
 
-Intranode MPI copies (CMA single-copy, shared-memory cells) of MiB-sized buffers run about
-1.2-1.4x faster from huge pages: fewer page faults and page-table walks per byte. torch's
+Intranode MPI copies (CMA single-copy, shared-memory cells) of MiB-sized buffers run faster
+from huge pages: fewer page faults and page-table walks per byte (``benchmarks/transport.py``
+measures the push-pull round trip against raw MPI). torch's
 CPU allocator gives 4 KiB pages unless ``THP_MEM_ALLOC_ENABLE`` was set before torch
 started, so IMerge maps its own buffers (private anonymous memory, 2 MiB aligned) and asks
 for huge pages with ``madvise``. Workers carve all group buffers out of one such arena, so

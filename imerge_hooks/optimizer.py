@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from . import runtime
-from .config import Config
 from .engine import GradientEngine
 from .layout import dtype_name
 from .naming import module_names
@@ -65,6 +64,30 @@ class _DistributedMixin:
         gradient, as torch does.
         """
         self._imerge_engine.zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes locally before each push (Horovod's method)."""
+        if passes < 1:
+            raise ValueError(f"IMerge: backward_passes_per_step must be >= 1, got {passes}")
+        self._imerge_engine.synchronize()
+        self._imerge_engine.passes = int(passes)
+
+    def close(self) -> None:
+        """Apply pending updates and retire the engine: hooks, callbacks and buffers go.
+
+        The optimizer stays usable as a plain local optimizer afterwards (no averaging). Every
+        worker must close at the same point (the servers drop the engine's keys, a plan epoch).
+        """
+        engine = self._imerge_engine
+        engine.close()
+        del self._imerge_engine, self._imerge_skip_sync
+        self.__class__ = type(self).__mro__[2]  # the wrapped class again
+
+    def __enter__(self) -> _DistributedMixin:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def state_dict(self) -> dict[str, Any]:
         runtime.flush_all()
@@ -121,7 +144,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         overrides["schedule"] = schedule
     if backward_passes_per_step is not None:
         overrides["backward_passes_per_step"] = backward_passes_per_step
-    cfg = Config.from_env(runtime.config(), **overrides)
+    cfg = runtime.engine_config("DistributedOptimizer", **overrides)
     opt_params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
         named = list(zip(module_names(opt_params), opt_params))
@@ -157,13 +180,12 @@ def _repatch_scheduler_step(optimizer: torch.optim.Optimizer) -> None:
         return
     del optimizer.__dict__["step"]
     owner = weakref.ref(optimizer)
-    step = type(optimizer).step
 
-    @functools.wraps(step)
+    @functools.wraps(type(optimizer).step)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         opt = owner()
         opt._opt_called = True  # what the scheduler checks to warn about a missing optimizer.step()
-        return step(opt, *args, **kwargs)
+        return type(opt).step(opt, *args, **kwargs)  # the class's step now (the plain one after close())
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = wrapper

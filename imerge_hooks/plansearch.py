@@ -4,7 +4,7 @@ Why: the ``optimal`` DP (:mod:`imerge_hooks.planner`) is exact for ONE FIFO chan
 pays the measured startup ``a(W)`` per message. The runtime is not one channel: keys go
 to S servers and many are in flight at once (credit window), so startups overlap and a
 plan fused for the FIFO model can be slower than sending tensors as they are ready
-(ResNet-50 at W=8: 161 tensors fused into 8 groups lost to unfused wfbp by 10-20%).
+(``benchmarks/run.py --rank-env IMERGE_PLAN_SEARCH=0`` measures the DP's plan alone).
 
 So the planner proposes several plans and :func:`imerge_hooks.simulate.simulate`, which
 models partitions, placement, credit, priority and overlap with the next forward, scores
@@ -18,19 +18,13 @@ more fusion, which costs the servers fewer messages.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import Config
-from .costmodel import CostModel, LinearModel, PSModel
+from .costmodel import CostModel
 from .planner import Plan, _times, plan, simulate_fifo
-
-if TYPE_CHECKING:  # simulate imports this module's callers lazily; avoid an import cycle at runtime
-    from .simulate import ClusterSpec, ModelSpec
 
 log = logging.getLogger("imerge")
 
@@ -45,8 +39,9 @@ SEARCH_ROUNDS = 4  # alternations of partition size and plan (search)
 TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by more than this
 # A partition size other than the current one must win by more than this: the simulator charges a
 # message only the server's startup, not the per-message CPU work of the workers' and servers' Python
-# loops (measured on netlab, AlexNet W=8: 512 KiB partitions cost each worker 1.18 CPU-s per
-# iteration against 0.89 at 1 MiB, for a predicted gain of 0.6%, and ran 4-7% slower).
+# loops, so smaller partitions look cheaper than they are (``benchmarks/run.py --rank-env
+# IMERGE_PLAN_SEARCH=0 --rank-env IMERGE_PARTITION_BYTES=...`` measures one size; its JSON has each
+# run's ``worker_cpu_s_per_iter``).
 PARTITION_TOLERANCE = 0.02
 
 
@@ -73,53 +68,6 @@ class Candidate:
     label: str
     groups: list[list[int]]
     iteration_s: float
-
-
-def module_of(name: str) -> str:
-    """The module that owns parameter ``name`` (``layer1.0.conv1.weight`` -> ``layer1.0.conv1``)."""
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def model_spec_from_profile(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str],
-                            forward_times: Mapping[str, float] | None = None) -> ModelSpec:
-    """A simulator ModelSpec with one layer per tensor, from tensors given in READY order.
-
-    Layer ``l`` (forward order) is tensor ``n-1-l``; its backward time is the gap between
-    its ready time and the previous tensor's, so the simulator reproduces the profiled
-    ready times. A module's measured forward time goes to its front-most tensor.
-    """
-    from .simulate import LayerSpec, ModelSpec
-
-    n = len(sizes)
-    forward_times = dict(forward_times or {})
-    layers = []
-    seen_modules: set[str] = set()
-    for layer in range(n):
-        k = n - 1 - layer
-        gap = float(ready[k]) - (float(ready[k - 1]) if k > 0 else 0.0)
-        module = module_of(names[k])
-        fwd = 0.0
-        if module not in seen_modules:
-            seen_modules.add(module)
-            fwd = float(forward_times.get(module, 0.0))
-        layers.append(LayerSpec(name=names[k], param_bytes=[int(sizes[k])],
-                                forward_s=max(fwd, 0.0) if math.isfinite(fwd) else 0.0,
-                                backward_s=max(gap, 0.0) if math.isfinite(gap) else 0.0))
-    return ModelSpec(layers=layers, batch_size=1, name="profiled")
-
-
-def cluster_for(model: CostModel, workers: int, servers: int) -> ClusterSpec | None:
-    """The simulated cluster a cost model describes, or None when it describes none."""
-    from .simulate import ClusterSpec
-
-    if isinstance(model, PSModel) and model.bandwidth > 0:
-        bandwidth = 2.0 * model.bandwidth * max(1.0, servers / workers)
-        return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth,
-                           startup_s=model.a / workers)
-    if isinstance(model, LinearModel) and model.beta > 0:
-        return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=2.0 / model.beta,
-                           startup_s=model.alpha / workers)
-    return None
 
 
 def _dedupe(labelled: list[tuple[str, list[list[int]]]]) -> list[tuple[str, list[list[int]]]]:
@@ -172,9 +120,9 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
     """Score every candidate plan at ``partition_bytes``; for partitioned schedules, then
     alternate: the best plan at neighbouring partition sizes, and every plan again at the size
     that won, until neither the size nor the plan changes (at most ``SEARCH_ROUNDS`` times).
-    Plan and partition size interact (simulated, ResNet-18 at W=8: the plan-then-size pick runs
-    2.18 s per iteration, the pair found together 1.79 s). Returns the winner, every plan's score at the chosen
-    size, the size and a one-line explanation."""
+    Plan and partition size interact: the best plan at one size need not be the best at another
+    (``IMERGE_PLAN_LOG=1`` prints every pair simulated). Returns the winner, every plan's score at
+    the chosen size, the size and a one-line explanation."""
     cache: dict[tuple[int, int], float] = {}
 
     def rank(size: int) -> list[Candidate]:
@@ -225,48 +173,3 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
                   group_end=ends, note=note, partition_bytes=partition if partitioned else None)
     return chosen, scored
-
-
-def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
-                cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
-                forward_times: Mapping[str, float] | None = None) -> tuple[Plan, list[Candidate]]:
-    """The fastest of the candidate plans under the simulator, and every candidate's score.
-
-    Tensors are given in ready order (``sizes`` bytes, ``ready`` seconds, ``names``);
-    ``cfg`` supplies the schedule's traits, partition and credit sizes and overlap. The
-    returned Plan has the FIFO-model start/end times of the chosen groups (as every plan),
-    ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and a
-    ``note`` that says which candidate won and why.
-    """
-    from .simulate import simulate
-
-    cluster = cluster_for(cost_model, workers, servers)
-    if cluster is None or len(sizes) < 2:
-        return plan(sizes, ready, cost_model, "optimal", dtypes=dtypes), []
-    spec = model_spec_from_profile(sizes, ready, names, forward_times)
-    n = len(sizes)
-
-    def score(groups: list[list[int]], partition: int) -> float:
-        # The spec's tensor t (registration order) is ready-order position n-1-t.
-        return simulate(spec, cluster, cfg.schedule, partition_bytes=partition, credit_bytes=cfg.credit_bytes,
-                        result_window_bytes=cfg.result_window_bytes, tail_credit_bytes=cfg.tail_credit_bytes,
-                        cost_model=cost_model, iterations=3, overlap_forward=cfg.overlap, timeline=False,
-                        groups=[[n - 1 - i for i in g] for g in groups]).iteration_s
-
-    chosen, scored = searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready,
-                                   cost_model, cfg.partition_bytes, cfg.traits.partition)
-    log.info("IMerge: plan %s", chosen.note)
-    return chosen, scored
-
-
-def choose_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
-                cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
-                forward_times: Mapping[str, float] | None = None) -> Plan:
-    """The plan the engine installs: simulation-scored for the ``optimal`` planner when
-    ``cfg.plan_search`` is on, otherwise the schedule's planner method as is."""
-    method = cfg.traits.planner
-    if method == "optimal" and cfg.plan_search and servers > 0:
-        return search_plan(sizes, ready, names, cost_model, cfg, workers, servers,
-                           dtypes=dtypes, forward_times=forward_times)[0]
-    return plan(sizes, ready, cost_model, method, fusion_threshold_bytes=cfg.fusion_threshold_bytes,
-                dtypes=dtypes)

@@ -7,8 +7,8 @@ import logging
 from . import runtime
 from .costmodel import CostModel, LinearModel
 from .flowcontrol import tail_start_group
+from .planchoice import choose_plan
 from .planner import Plan
-from .plansearch import choose_plan
 from .profiler import Profile, Profiler
 
 log = logging.getLogger("imerge")

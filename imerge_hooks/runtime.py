@@ -9,18 +9,29 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
-from typing import Any, NoReturn
+from typing import Any
 
-from . import polling
+from . import collectives, polling
 from ._mpi import MPI, ensure_initialized
-from .config import Config
+from .collectives import collective
+from .config import PROCESS_OPTIONS, Config
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
+from .failure import abort, fatal_error, install_excepthooks, record_fatal, set_identity, whoami
 from .polling import Backoff
 from .scheduler import CommThread
 from .topology import Topology, build_topology
-from .transport import TAG_COLLECTIVE, TAG_CONTROL, TAG_DECISION, TAG_REPLY, TAG_TIMELINE, KeySpec, table_to_wire
+from .transport import (
+    KEY_TAG_BASE,
+    ROUND_TAGS,
+    TAG_COLLECTIVE,
+    TAG_CONTROL,
+    TAG_DECISION,
+    TAG_REPLY,
+    TAG_TIMELINE,
+    KeySpec,
+    table_to_wire,
+)
 
 log = logging.getLogger("imerge")
 
@@ -32,6 +43,7 @@ class _State:
         self.comm_thread: CommThread | None = None
         self.server_program = False
         self.tables: dict[int, list[KeySpec]] = {}  # client id -> its keys
+        self.explicit: dict[str, Any] = {}  # the options given to init() (explicit beats env)
         self.tensor_tables: dict[int, list[tuple]] = {}  # client id -> (name, shape, dtype) per tensor
         self.next_key = 0
         self.epoch = 0
@@ -43,7 +55,6 @@ class _State:
         self.join_callbacks: list = []  # engines finish their iteration before a join
         self.after_join_callbacks: list = []  # fn(last joiner): engines take its parameters
         self.timeline = None  # timeline.Timeline when IMERGE_TIMELINE is set
-        self.fatal: BaseException | None = None  # an error after which MPI_Finalize could hang: abort instead
 
 
 _state = _State()
@@ -66,10 +77,11 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     if _state.topology is not None:
         return
     cfg = Config.from_env(num_servers=num_servers, **config)
+    _state.explicit = {k: v for k, v in config.items() if v is not None}
     ensure_initialized()
     world = MPI.COMM_WORLD
     if world.Get_size() > 1:
-        _install_excepthooks()
+        install_excepthooks()
     flags = collective(world, "allgather", _state.server_program, "the roles the ranks were launched as",
                        timeout_s=cfg.timeout_s, ranks="world rank")
     if any(flags):
@@ -83,8 +95,11 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
         cfg = cfg.replace(num_servers=declared)
     elif cfg.num_servers is None:
         cfg = cfg.replace(num_servers=0)
+    _state.explicit["num_servers"] = cfg.num_servers
+    collectives.configure(cfg.timeout_s)
     topo = build_topology(int(cfg.num_servers), timeout_s=cfg.timeout_s)
     _state.topology, _state.config = topo, cfg
+    set_identity(topo)
     _setup_logging()
     chosen = polling.configure(cfg.polling, topo.ranks_on_node)
     log.debug("IMerge rank %d: polling mode %s (%d ranks on this host, %d usable cores)",
@@ -108,11 +123,18 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     atexit.register(shutdown)
 
 
+def run_server_program() -> None:
+    """``python -m imerge_hooks.server`` / ``imerge-server`` (MPMD launch): serve, then exit 0."""
+    declare_server_program()
+    init()
+    raise SystemExit(0)  # init() does not return on a server; this is a safety net
+
+
 def serve_until_shutdown() -> None:
     """Run the server loop until every worker shut down (server ranks only)."""
     from .server import Server
 
-    server = getattr(_state, "server", None) or Server(topology(), config())
+    server = getattr(_state, "server", None) or Server(topology(), config(), _state.timeline)
     server.serve("shutdown")
     _state.shut_down = True
     _send_server_timeline()
@@ -135,7 +157,7 @@ def _send_server_timeline() -> None:
 
         payload = MPI.pickle.dumps(export(_state.timeline))
         comm = topology().data_comm
-        _await(comm, [], {0: comm.Issend([payload, MPI.BYTE], dest=0, tag=TAG_TIMELINE)}, TAG_TIMELINE,
+        collectives.wait_for(comm, [], {0: comm.Issend([payload, MPI.BYTE], dest=0, tag=TAG_TIMELINE)}, TAG_TIMELINE,
                "sending this server's timeline to worker 0", None, "world rank")
 
 
@@ -145,7 +167,7 @@ def serve_stage() -> str:
 
     server = getattr(_state, "server", None)
     if server is None:
-        server = _state.server = Server(topology(), config())
+        server = _state.server = Server(topology(), config(), _state.timeline)
     why = server.serve("stage")
     if why == "shutdown":
         _state.shut_down = True
@@ -186,6 +208,22 @@ def config() -> Config:
     return _state.config
 
 
+def engine_config(where: str, **options: Any) -> Config:
+    """The settings of one engine (``where`` names its front end in errors).
+
+    One precedence rule for every option: an explicit argument (the engine's, then ``init()``'s)
+    > its ``IMERGE_*`` env var > the default. Process options (``PROCESS_OPTIONS``) belong to
+    ``init()``: passing one to an engine is an error that says so, not silently ignored.
+    """
+    config()
+    given = {k: v for k, v in options.items() if v is not None}
+    misplaced = sorted(given.keys() & PROCESS_OPTIONS)
+    if misplaced:
+        raise IMergeConfigError(f"IMerge: {', '.join(misplaced)}: process option(s) that {where} cannot change; "
+                                f"pass them to imerge_hooks.init() or set IMERGE_{misplaced[0].upper()}")
+    return Config.from_env(None, **{**_state.explicit, **given})
+
+
 def comm_thread() -> CommThread | None:
     return _state.comm_thread
 
@@ -199,10 +237,32 @@ def new_client_id() -> int:
 
 
 def allocate_keys(count: int) -> list[int]:
-    """Fresh key ids (identical on all workers as long as they allocate in the same order)."""
-    start = _state.next_key
-    _state.next_key += count
-    return list(range(start, start + count))
+    """Key ids not used by any registered table (identical on all workers as long as they
+    allocate in the same order).
+
+    Ids count up; a key's tags must stay within the MPI's ``MPI_TAG_UB`` (the standard promises
+    only 32767), so past ``key_capacity()`` the count wraps and skips the ids that registered
+    tables still use: every plan epoch allocates anew, and a long job would otherwise run out.
+    """
+    capacity = key_capacity()
+    in_use = {k.key for table in _state.tables.values() for k in table}
+    if count > capacity - len(in_use):
+        raise IMergeConfigError(f"IMerge: {count} more keys do not fit in this MPI's tag space ({capacity} keys, "
+                                f"{len(in_use)} in use; MPI_TAG_UB); raise partition_bytes or fuse more")
+    ids, key = [], _state.next_key
+    while len(ids) < count:
+        key = 0 if key >= capacity else key
+        if key not in in_use:
+            ids.append(key)
+        key += 1
+    _state.next_key = key
+    return ids
+
+
+def key_capacity() -> int:
+    """How many key ids this MPI's tag space holds (each key uses ``ROUND_TAGS`` tags)."""
+    tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) if MPI.Is_initialized() else 32767
+    return (int(tag_ub) - KEY_TAG_BASE + 1) // ROUND_TAGS
 
 
 def add_flush_callback(fn) -> None:
@@ -258,6 +318,13 @@ def register_keys(client: int, keys: list[KeySpec], tensors: list[tuple[str, tup
     return _state.epoch
 
 
+def unregister_keys(client: int) -> None:
+    """``client`` is retired: the servers free its keys (collective over workers, a plan epoch)."""
+    register_keys(client, [])
+    _state.tables.pop(client, None)
+    _state.tensor_tables.pop(client, None)
+
+
 def _recv_with_timeout(comm: MPI.Comm, source: int, tag: int, what: str, fatal: bool = True) -> Any:
     """A pickled message of any size, polled with back-off (no spinning) until the timeout.
 
@@ -273,7 +340,7 @@ def _recv_with_timeout(comm: MPI.Comm, source: int, tag: int, what: str, fatal: 
         if time.monotonic() > deadline:
             error = IMergeTimeoutError(f"IMerge worker {topology().worker_rank}: waited {config().timeout_s:.0f} s for "
                                        f"{what}; some worker did not reach the same point, or a server is gone")
-            raise _fatal(error) if fatal else error
+            raise record_fatal(error) if fatal else error
         backoff.idle()
 
 
@@ -282,8 +349,8 @@ def from_worker0(value: Any, what: str) -> Any:
 
     Used where worker 0 computes something the others wait for, such as the fusion plan
     (seconds of simulation). MPICH's blocking ``bcast`` polls a core at full speed; on a host
-    with more ranks than cores the waiting workers would starve worker 0's computation (W=16
-    on 2 cores: the plan search took about 2 minutes instead of 7 s). Here they wait with
+    with more ranks than cores the waiting workers would starve worker 0's computation
+    (``tests/test_handoff.py`` bounds the waiting workers' CPU). Here they wait with
     back-off, and time out naming ``what`` instead of hanging if worker 0 never sends.
     """
     topo = topology()
@@ -299,145 +366,10 @@ def from_worker0(value: Any, what: str) -> Any:
     while requests:
         requests = [r for r in requests if not r.test()[0]]
         if requests and time.monotonic() > deadline:
-            raise _fatal(IMergeTimeoutError(f"IMerge worker 0: {len(requests)} worker(s) did not take {what} within "
-                                            f"{config().timeout_s:.0f} s"))
+            raise record_fatal(IMergeTimeoutError(f"IMerge worker 0: {len(requests)} worker(s) did not take {what} "
+                                                  f"within {config().timeout_s:.0f} s"))
         backoff.idle()
     return value
-
-
-# ---------------------------------------------------------------------- collectives with a deadline
-def collective(comm: MPI.Comm, op: str, value: Any, what: str, *, root: int = 0, timeout_s: float | None = None,
-               ranks: str = "worker", spin_s: float | None = None) -> Any:
-    """An object collective over ``comm`` that raises IMergeTimeoutError instead of waiting forever.
-
-    ``op``: ``allgather`` (every rank's value, by rank), ``bcast`` (``root``'s value), ``gather``
-    (the list on ``root``, None elsewhere), ``max`` (the largest value) or ``barrier`` (None).
-    MPI's blocking collectives hang when a rank never arrives (dead, stopped, or on another code
-    path), and MPICH spins a core meanwhile. Here each value goes point to point by synchronous
-    send, polled with back-off (``spin_s``: how long to spin first) until ``timeout_s`` (default:
-    the config's); the error names ``what`` and the ``ranks`` (what ``comm``'s ranks are called)
-    that did not arrive. Every rank must call the same collectives in the same order.
-    """
-    me, size = comm.Get_rank(), comm.Get_size()
-    sources, dests = _collective_peers(op, me, size, root)
-    payload = MPI.pickle.dumps(None if op == "barrier" else value)  # pickled once, sent to every peer
-    sends = {r: comm.Issend([payload, MPI.BYTE], dest=r, tag=TAG_COLLECTIVE) for r in dests}
-    got = _await(comm, sources, sends, TAG_COLLECTIVE, f"{op} of {what}", timeout_s, ranks, spin_s)
-    got[me] = value
-    if op == "barrier":
-        return None
-    if op == "max":
-        return max(got.values())
-    if op == "bcast":
-        return got[root]
-    return [got[r] for r in range(size)] if op == "allgather" or me == root else None
-
-
-def _collective_peers(op: str, me: int, size: int, root: int) -> tuple[list[int], list[int]]:
-    """The ranks this rank receives from and the ranks it sends to in collective ``op``."""
-    others = [r for r in range(size) if r != me]
-    if op in ("allgather", "max", "barrier"):
-        return others, others
-    if op == "bcast":
-        return ([], others) if me == root else ([root], [])
-    if op == "gather":
-        return (others, []) if me == root else ([], [root])
-    raise ValueError(f"IMerge internal: unknown collective {op!r}")
-
-
-def _await(comm: MPI.Comm, sources: list[int], sends: dict[int, MPI.Request], tag: int, what: str,
-           timeout_s: float | None, ranks: str, spin_s: float | None = None) -> dict[int, Any]:
-    """One pickled message from each of ``sources`` and the end of each send (by destination),
-    polled with back-off; at the deadline IMergeTimeoutError naming the ranks still missing."""
-    limit = config().timeout_s if timeout_s is None else timeout_s
-    deadline = time.monotonic() + limit
-    waiting, got, backoff = list(sources), {}, Backoff(spin_s)
-    while waiting or sends:
-        if _receive_arrived(comm, waiting, tag, got) | _retire_sends(sends):
-            backoff.reset()
-        elif time.monotonic() > deadline:
-            missing = sorted(set(waiting) | set(sends))
-            raise _fatal(IMergeTimeoutError(f"{_whoami()}: {what} did not complete within {limit:.0f} s: {ranks}(s) "
-                                            f"{missing} did not arrive (dead, stuck, or on another code path)"))
-        else:
-            backoff.idle()
-    return got
-
-
-def _receive_arrived(comm: MPI.Comm, waiting: list[int], tag: int, got: dict[int, Any]) -> bool:
-    """Receive what has arrived from the ranks in ``waiting`` (and drop them from it); any?"""
-    arrived = False
-    for source in list(waiting):
-        message = comm.improbe(source=source, tag=tag)
-        if message is not None:
-            got[source] = message.recv()
-            waiting.remove(source)
-            arrived = True
-    return arrived
-
-
-def _retire_sends(sends: dict[int, MPI.Request]) -> bool:
-    """Drop the finished sends (a synchronous send finishes when its receiver took it); any?"""
-    done = [dest for dest, request in sends.items() if request.Test()]
-    for dest in done:
-        del sends[dest]
-    return bool(done)
-
-
-def _fatal(error: BaseException) -> BaseException:
-    """Remember ``error``: it leaves messages pending or a peer stuck, so ``shutdown()`` aborts."""
-    if _state.fatal is None:
-        _state.fatal = error
-    return error
-
-
-# ---------------------------------------------------------------------- failing fast
-def _whoami() -> str:
-    """This rank as messages name it: ``IMerge worker 1 (world rank 1)``, ``IMerge server 0 (world rank 3)``."""
-    topo = _state.topology
-    if topo is not None:
-        role = f"server {topo.server_index}" if topo.is_server else f"worker {topo.worker_rank}"
-        return f"IMerge {role} (world rank {topo.world_rank})"
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        return f"IMerge world rank {MPI.COMM_WORLD.Get_rank()}"
-    return "IMerge"
-
-
-def abort(message: str, code: int = 1) -> NoReturn:
-    """Log ``message`` and end the whole MPI job, every rank, as ``python -m mpi4py`` does.
-
-    For errors after which the other ranks would wait (up to ``timeout_s``, or forever in
-    MPI_Finalize) for this one.
-    """
-    log.error("%s", message)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.COMM_WORLD.Abort(code)
-    os._exit(code)  # MPICH's Abort can return before the process manager ends this rank: run no atexit
-
-
-def _install_excepthooks() -> None:
-    """Abort the job on an uncaught exception in any thread, after the previous hook printed it."""
-    if getattr(sys.excepthook, "imerge", False):
-        return
-    previous, previous_thread = sys.excepthook, threading.excepthook
-
-    def on_uncaught(exc_type, exc, tb) -> None:
-        previous(exc_type, exc, tb)
-        abort(f"{_whoami()}: uncaught {exc_type.__name__}: {exc}; aborting the job")
-
-    def on_uncaught_in_thread(args) -> None:
-        previous_thread(args)
-        if args.exc_type is not SystemExit:
-            abort(f"{_whoami()}: uncaught {args.exc_type.__name__} in thread "
-                  f"{getattr(args.thread, 'name', '?')}: {args.exc_value}; aborting the job")
-
-    on_uncaught.imerge = True
-    sys.excepthook, threading.excepthook = on_uncaught, on_uncaught_in_thread
 
 
 def _control_all(message: dict) -> None:
@@ -489,7 +421,7 @@ def _wait_until_all_joined(topo: Topology) -> int:
             if message is not None:
                 reply = message.recv()
                 if reply.get("op") == "error":
-                    raise _fatal(IMergeUsageError(f"{_whoami()}: join(): {reply['message']}"))
+                    raise record_fatal(IMergeUsageError(f"{whoami()}: join(): {reply['message']}"))
                 last = reply.get("last", last)
                 waiting.remove(server)
                 backoff.reset()
@@ -498,14 +430,14 @@ def _wait_until_all_joined(topo: Topology) -> int:
         if stray is not None and len(waiting) == topo.num_servers:
             stray_since = stray_since or now
             if now - stray_since > JOIN_GRACE_S:
-                raise _fatal(IMergeUsageError(
-                    f"{_whoami()} waits in join() (out of data) while worker {stray} started a collective step "
+                raise record_fatal(IMergeUsageError(
+                    f"{whoami()} waits in join() (out of data) while worker {stray} started a collective step "
                     "that needs every worker (a plan change at the end of profile_steps, a broadcast, "
                     "calibration): workers must not change plans or run collectives while another has joined; make "
                     "profile_steps smaller than the shortest worker's number of steps"))
         if now > deadline:
-            raise _fatal(IMergeTimeoutError(
-                f"{_whoami()}: waited {config().timeout_s:.0f} s in join() for server(s) {waiting} to report that "
+            raise record_fatal(IMergeTimeoutError(
+                f"{whoami()}: waited {config().timeout_s:.0f} s in join() for server(s) {waiting} to report that "
                 "every worker joined: every worker must call imerge_hooks.join() when its data ends"))
         backoff.idle()
     return last
@@ -584,7 +516,7 @@ def shutdown() -> None:
     if _state.topology is None or _state.shut_down or _state.topology.is_server:
         return
     _state.shut_down = True
-    error = _state.fatal or (_state.comm_thread.failed if _state.comm_thread else None)
+    error = fatal_error() or (_state.comm_thread.failed if _state.comm_thread else None)
     if error is None:
         try:
             flush_all()
@@ -592,7 +524,7 @@ def shutdown() -> None:
             return
         except BaseException as exc:  # noqa: BLE001 - ends the job
             error = exc
-    abort(f"{_whoami()}: shutdown after {type(error).__name__}: {error}; aborting the job instead of finalizing MPI")
+    abort(f"{whoami()}: shutdown after {type(error).__name__}: {error}; aborting the job instead of finalizing MPI")
 
 
 def _release_servers() -> None:

@@ -14,12 +14,13 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
 from ._mpi import MPI
 from .config import Config
+from .failure import abort
 from .memory import host_buffer
 from .polling import Backoff
 from .topology import Topology
@@ -37,6 +38,9 @@ from .transport import (
     split_key_tag,
     table_from_wire,
 )
+
+if TYPE_CHECKING:
+    from .timeline import Timeline
 
 log = logging.getLogger("imerge")
 
@@ -87,7 +91,7 @@ class _KeyState:
 class Server:
     """Sums the pushes of all workers per key and sends every worker the result."""
 
-    def __init__(self, topology: Topology, config: Config) -> None:
+    def __init__(self, topology: Topology, config: Config, timeline: Timeline | None = None) -> None:
         self.topo = topology
         self.cfg = config
         self.comm = topology.data_comm
@@ -115,9 +119,7 @@ class Server:
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
         self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
         self._delayed: list[tuple[float, int, list[int], int]] = []
-        from . import runtime
-
-        self.timeline = runtime.timeline()
+        self.timeline = timeline  # IMERGE_TIMELINE: this server's track
         self.bytes_in = 0
         self._last_tick = time.monotonic()
 
@@ -211,9 +213,7 @@ class Server:
     # ------------------------------------------------------------------ failing fast
     def _abort(self, message: str, code: int = 3) -> NoReturn:
         """End the MPI job with ``message``, naming this server."""
-        from . import runtime
-
-        runtime.abort(f"IMerge server {self.index} (world rank {self.topo.world_rank}): {message}; aborting the job",
+        abort(f"IMerge server {self.index} (world rank {self.topo.world_rank}): {message}; aborting the job",
                       code)
 
     def _tick(self) -> float:
@@ -581,14 +581,7 @@ def _compare_tensors(ref: list, mine: list) -> str | None:
     return None
 
 
-def main() -> None:
-    """Entry point of ``python -m imerge_hooks.server`` (MPMD launch): serve, then exit 0."""
-    from . import runtime
+if __name__ == "__main__":  # python -m imerge_hooks.server (MPMD launch): serve, then exit 0
+    from imerge_hooks.runtime import run_server_program
 
-    runtime.declare_server_program()
-    runtime.init()
-    raise SystemExit(0)  # init() does not return on a server; this is a safety net
-
-
-if __name__ == "__main__":
-    main()
+    run_server_program()

@@ -54,12 +54,13 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   pair: MPI's non-overtaking rule), so at most one flow per (sender, receiver) pair.
   No propagation latency (fold it into ``startup_s``).
   **Uneven incast sharing** (``ClusterSpec.share_cv > 0``): TCP flows from many senders into one
-  shaped port do not get equal shares; measured on netlab (``benchmarks/netlab/linkmon.py``),
-  the workers' push rates into a saturated server spread with a coefficient of variation of
-  ~0.4 that persists for about a second, while results (one sender, many receivers) share
-  evenly. So every push connection (worker, server) gets a weight, log-normal with mean 1 and
-  that CV, drawn afresh every ``share_period_s`` (deterministic per connection and period,
-  from ``share_seed``), and rates are the *weighted* max-min fair allocation. It matters
+  shaped port do not get equal shares: the workers' push rates into a saturated server spread
+  unevenly, and a share persists for up to about a second, while results (one sender, many
+  receivers) share evenly (``benchmarks/netlab/linkmon.py`` measures both; ``benchmarks/run.py``
+  feeds them to the validation). So every push connection (worker, server) gets a weight,
+  log-normal with mean 1 and that CV, drawn afresh every ``share_period_s`` (deterministic per
+  connection and period, from ``share_seed``), and rates are the *weighted* max-min fair
+  allocation. It matters
   because a key completes only when its slowest push has arrived. With ``ClusterSpec.fabric_Bps`` every
   flow also crosses one shared link of that rate: what a cluster moves with every link busy both
   ways at once (``benchmarks/netlab/duplex_probe.py``), a little less than its links' goodput.
@@ -96,6 +97,7 @@ from .config import RESULT_WINDOW_BYTES, SCHEDULE_TRAITS, SCHEDULES, TAIL_CREDIT
 from .costmodel import CostModel, LinearModel, PSModel
 from .flowcontrol import ReadyQueue, SendWindows, tail_start_group
 from .planner import Plan, plan
+from .plansearch import candidate_plans, searched_plan
 
 _MiB = 1 << 20
 # Sizes that calibrate_model "measures" (the grid of imerge_hooks.calibrate: 1 KiB .. 64 MiB).
@@ -199,15 +201,16 @@ class ClusterSpec:
     model with :meth:`from_psmodel`. ``time_scale``: factor on the model's compute times
     (replay a profile as a faster or slower device). ``fabric_Bps``: optional cap on the sum of
     all flows' rates, a link every flow crosses. None: the links alone; set it to what the
-    cluster moves with every link busy both ways (``benchmarks/netlab/duplex_probe.py``
-    measures it: 88-97% of the links' TCP goodput on netlab). ``share_cv``/``share_period_s``: how
+    cluster moves with every link busy both ways (``benchmarks/netlab/duplex_probe.py`` measures
+    it, a little less than the links' TCP goodput; ``netlab/fabric_scaling.py`` at several link
+    rates). ``share_cv``/``share_period_s``: how
     unevenly pushes into one server share its ingress, and for how long a share persists (0: max-min
     fair; the module doc has the model; ``benchmarks/netlab/linkmon.py`` measures both).
     ``worker_message_s``: wall time of a worker's comm thread per message (posting a push, or
     handling a result), one message at a time per worker; 0 (the default): free. A what-if knob:
-    a serial per-message cost is hidden behind the network until it fills the thread (ResNet-18
-    at W=16, 198 keys: no change up to 8 ms, twice the iteration at 50 ms), so it cannot explain
-    the gradual cost of many keys on an oversubscribed host (``benchmarks/results/NOTES-session10.md``).
+    a serial per-message cost is hidden behind the network until it fills the thread, and then the
+    iteration grows abruptly, so it cannot explain a gradual cost of many keys on an oversubscribed
+    host (``tests/test_simulate.py``, ``test_worker_message_cost_*``, checks both by hand).
     """
 
     workers: int
@@ -905,8 +908,6 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
                    result_window_bytes: int | None, tail_credit_bytes: int | None, overlap_forward: bool | None,
                    iterations: int) -> Plan:
     """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
-    from .plansearch import candidate_plans, searched_plan
-
     sizes_r = [sizes[i] for i in order]
     ready_r = [ready_at[i] for i in order]
 

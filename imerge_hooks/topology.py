@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from ._mpi import MPI
+from .collectives import collective
 from .errors import IMergeConfigError
 
 
@@ -59,8 +60,6 @@ def build_topology(num_servers: int, timeout_s: float = 600.0) -> Topology:
     First every rank's machine is gathered with a deadline (``timeout_s``): it also tells that
     every rank has arrived, before the blocking MPI calls that split the world.
     """
-    from .runtime import collective  # runtime imports this module
-
     world = MPI.COMM_WORLD
     size, rank = world.Get_size(), world.Get_rank()
     if num_servers < 0:
@@ -113,6 +112,4 @@ def server_for_key(key: int, num_servers: int) -> int:
 
 def worker_hostnames(topology: Topology) -> list[str]:
     """Every worker's host name, by worker rank (collective over workers, with a deadline)."""
-    from .runtime import collective  # runtime imports this module
-
     return collective(topology.worker_comm, "allgather", socket.gethostname(), "the workers' host names")

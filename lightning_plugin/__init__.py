@@ -9,78 +9,58 @@ Importing this package registers the strategy name ``"imerge"`` in Lightning's
 
 launched as ``mpiexec -n 4 -env IMERGE_NUM_SERVERS 1 python train.py`` (3 workers + 1 server).
 
-``pytorch_lightning`` and the unified ``lightning`` package keep separate registries and
-separate base classes. ``IMergeStrategy`` here is built on ``pytorch_lightning``; when
-``lightning`` is installed too, the same modules are loaded a second time against
-``lightning.pytorch`` / ``lightning.fabric`` (the way Lightning derives one package from the
-other) as ``lightning_plugin.unified``, and ``"imerge"`` is registered in both registries.
+The plugin is built on ``pytorch_lightning``, or on ``lightning.pytorch`` where only the unified
+``lightning`` package is installed (``lightning_plugin._lightning``).
+
+Importing it does nothing else: no MPI, no ``imerge_hooks``. The classes load on first use
+(``lightning_plugin.IMergeStrategy``, or the registry entry when a Trainer asks for
+``"imerge"``). Every ``Trainer`` first asks Lightning's ``MPIEnvironment.detect()`` for the MPI
+world size, which imports ``mpi4py.MPI`` and so starts MPI; ``imerge_hooks`` imports
+``mpi4py.MPI`` without starting it, and MPI calls before ``MPI_Init`` abort the process, so
+it must not be imported before that first Trainer (start MPI first if your script imports it).
+MPI is otherwise started, and IMerge's collectives run, when the strategy is used: at the
+first Trainer entry point (``fit``, ``validate``, ...) and in ``setup_environment``/``setup``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-from pathlib import Path
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-_MODULES = {"environment": "IMergeEnvironment", "launcher": "IMergeLauncher", "strategy": "IMergeStrategy"}
+from ._lightning import StrategyRegistry
 
-
-def _load_for_unified_lightning() -> types.ModuleType:
-    """The strategy modules rewritten for the ``lightning`` package, as ``lightning_plugin.unified``."""
-    package = types.ModuleType(f"{__name__}.unified", "IMerge strategy for the unified `lightning` package")
-    package.__path__ = []
-    sys.modules[package.__name__] = package
-    for name, cls in _MODULES.items():  # in dependency order
-        path = Path(__file__).with_name(f"{name}.py")
-        source = path.read_text().replace("pytorch_lightning", "lightning.pytorch")
-        source = source.replace("lightning_fabric", "lightning.fabric")
-        module = types.ModuleType(f"{package.__name__}.{name}")
-        module.__file__, module.__package__ = str(path), package.__name__
-        sys.modules[module.__name__] = module
-        exec(compile(source, str(path), "exec"), module.__dict__)
-        setattr(package, name, module)
-        setattr(package, cls, getattr(module, cls))
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    package.IMergeStrategy.register_strategies(StrategyRegistry)
-    return package
-
-
-def _start_mpi() -> None:
-    """Start MPI now, as importing mpi4py normally does (importing imerge_hooks alone does not).
-
-    Every Trainer asks Lightning's built-in ``MPIEnvironment.detect()`` for the MPI world size
-    before it builds any strategy, and that calls MPI.
-    """
-    from imerge_hooks import _mpi
-
-    getattr(_mpi, "ensure_initialized", lambda: None)()
-
-
-_start_mpi()
-
-IMergeStrategy: Any = None
-IMergeEnvironment: Any = None
-IMergeLauncher: Any = None
-
-if importlib.util.find_spec("pytorch_lightning") is not None:
-    from pytorch_lightning.strategies import StrategyRegistry as _registry
-
+if TYPE_CHECKING:
     from .environment import IMergeEnvironment
     from .launcher import IMergeLauncher
     from .strategy import IMergeStrategy
 
-    IMergeStrategy.register_strategies(_registry)
+STRATEGY_NAME = "imerge"
+_CLASSES = {"IMergeEnvironment": "environment", "IMergeLauncher": "launcher", "IMergeStrategy": "strategy"}
 
-if importlib.util.find_spec("lightning") is not None and importlib.util.find_spec("lightning.pytorch") is not None:
-    unified = _load_for_unified_lightning()
-    if IMergeStrategy is None:
-        IMergeEnvironment, IMergeLauncher, IMergeStrategy = (
-            unified.IMergeEnvironment, unified.IMergeLauncher, unified.IMergeStrategy)
 
-if IMergeStrategy is None:
-    raise ImportError("lightning_plugin needs pytorch_lightning (pip install pytorch-lightning) or lightning")
+def __getattr__(name: str) -> Any:
+    """Load ``IMergeStrategy``, ``IMergeEnvironment`` and ``IMergeLauncher`` on first use."""
+    if name not in _CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_CLASSES[name]}", __name__), name)
+    globals()[name] = value
+    return value
 
-__all__ = ["IMergeEnvironment", "IMergeLauncher", "IMergeStrategy"]
+
+def create_strategy(**kwargs: Any) -> IMergeStrategy:
+    """``IMergeStrategy(**kwargs)``: what the registry entry ``"imerge"`` builds."""
+    from .strategy import IMergeStrategy
+
+    return IMergeStrategy(**kwargs)
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> None:
+    """Register ``"imerge"`` in ``registry``; the class itself loads when a Trainer asks for it."""
+    registry.register(STRATEGY_NAME, create_strategy, description="IMerge parameter-server data parallelism",
+                      override=True)
+
+
+register_strategies()
+
+__all__ = ["STRATEGY_NAME", "IMergeEnvironment", "IMergeLauncher", "IMergeStrategy", "create_strategy",
+           "register_strategies"]

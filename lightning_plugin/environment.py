@@ -2,33 +2,42 @@
 
 Lightning's own ``MPIEnvironment`` counts every rank of ``MPI.COMM_WORLD``, servers included,
 so its world size and ranks are wrong for IMerge. Here the world is the workers: world size =
-number of workers, global rank = worker rank. On a server rank (which never runs the training
-function) ``global_rank()`` is the server's world rank, so it is never mistaken for rank zero.
+number of workers, global rank = worker rank. Workers are the first ranks of COMM_WORLD, so
+the global rank is the world rank; on a server rank (which never runs the training function)
+it is the server's world rank, never zero.
+
+Like ``MPIEnvironment`` it is lazy: building it calls no MPI. The global rank only asks MPI
+(starting it if nothing has); the world size and local rank need IMerge's roles and start
+IMerge on first use (collective over COMM_WORLD) unless the first Trainer entry point already
+did; the node rank is a collective over the workers on first use (the strategy asks for it in
+``setup_environment``, where every worker is).
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 
-from lightning_fabric.plugins.environments import ClusterEnvironment
-
-import imerge_hooks
 from imerge_hooks import runtime
+from imerge_hooks._mpi import MPI, ensure_initialized
+from imerge_hooks.topology import Topology
+
+from ._lightning import ClusterEnvironment
+from .serving import start as start_imerge
 
 
 class IMergeEnvironment(ClusterEnvironment):
-    """World = IMerge workers. Create it after ``imerge_hooks.init()`` (collective over workers)."""
+    """World = IMerge workers.
 
-    def __init__(self) -> None:
-        topo = runtime.topology()
-        self._server = topo.is_server
-        self._world_rank = topo.world_rank
+    Args:
+        start: starts IMerge where the world size or a local rank is read before it runs
+            (default: ``imerge_hooks.init`` configured by the ``IMERGE_*`` env vars).
+    """
+
+    def __init__(self, start: Callable[[], None] = start_imerge) -> None:
+        self._start = start
+        self._node_rank: int | None = None
         self._main: tuple[str, int] | None = None
-        if self._server:
-            self._node_rank = 0
-        else:
-            hosts = runtime.collective(topo.worker_comm, "allgather", socket.gethostname(), "the workers' host names")
-            self._node_rank = sorted(set(hosts)).index(hosts[topo.worker_rank])
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -45,6 +54,7 @@ class IMergeEnvironment(ClusterEnvironment):
     def _main_address_port(self) -> tuple[str, int]:
         # Collective over the workers on first use; Lightning reads both at the same point on every rank.
         if self._main is None:
+            self.topology()
             self._main = runtime.master_address_port()
         return self._main
 
@@ -53,19 +63,44 @@ class IMergeEnvironment(ClusterEnvironment):
         return runtime.is_initialized()
 
     def world_size(self) -> int:
-        return runtime.topology().num_workers
+        return self.topology().num_workers
 
     def set_world_size(self, size: int) -> None:
         pass  # fixed by the MPI launch
 
     def global_rank(self) -> int:
-        return self._world_rank if self._server else imerge_hooks.rank()
+        return world_rank()
 
     def set_global_rank(self, rank: int) -> None:
         pass  # fixed by the MPI launch
 
     def local_rank(self) -> int:
-        return 0 if self._server else imerge_hooks.local_rank()
+        topo = self.topology()
+        return 0 if topo.is_server else topo.local_rank
 
     def node_rank(self) -> int:
+        if self._node_rank is None:
+            self._node_rank = _node_rank(self.topology())
         return self._node_rank
+
+    def topology(self) -> Topology:
+        """IMerge's roles, starting IMerge first if it is not running yet (collective over COMM_WORLD)."""
+        if not runtime.is_initialized():
+            self._start()
+        return runtime.topology()
+
+
+def world_rank() -> int:
+    """This process's rank in COMM_WORLD; starts MPI if nothing has (no collective)."""
+    if runtime.is_initialized():
+        return runtime.topology().world_rank
+    ensure_initialized()
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def _node_rank(topo: Topology) -> int:
+    """Index of this worker's host among the workers' hosts (collective over the workers); 0 on servers."""
+    if topo.is_server:
+        return 0
+    hosts = runtime.collective(topo.worker_comm, "allgather", socket.gethostname(), "the workers' host names")
+    return sorted(set(hosts)).index(hosts[topo.worker_rank])

@@ -1,17 +1,28 @@
-"""The server side of the Lightning integration: serve stage by stage, and until shutdown at exit.
+"""Starting IMerge for Lightning, and the server side: serve stage by stage, and until shutdown at exit.
 
-No Lightning import here: this state is shared by the ``pytorch_lightning`` and ``lightning``
-flavours of the strategy.
+No Lightning import here.
 """
 
 from __future__ import annotations
 
 import atexit
+from typing import Any
 
+import imerge_hooks
 from imerge_hooks import runtime
 
 _workers_gone = False
 _serving_at_exit = False
+
+
+def start(num_servers: int | None = None, config: dict[str, Any] | None = None) -> None:
+    """Start IMerge once (collective over COMM_WORLD; MPI too if nothing started it).
+
+    Servers return here too: they serve stage by stage (``serve_stage``), then at exit.
+    """
+    if not runtime.is_initialized():
+        imerge_hooks.init(num_servers, serve="stage", **(config or {}))
+    serve_at_exit()
 
 
 def serve_stage() -> None:

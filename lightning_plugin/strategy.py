@@ -6,7 +6,8 @@ Launch one MPI rank per device; the last ``IMERGE_NUM_SERVERS`` ranks are server
 
 Every rank runs the same script. On server ranks each Trainer entry point (fit, validate,
 test, predict) serves that stage and returns ``None``; guard rank-specific code with
-``trainer.is_global_zero`` (False on servers) or ``imerge_hooks.is_server()``.
+``trainer.is_global_zero`` (False on servers) or ``trainer.strategy.is_server``
+(``imerge_hooks.is_server()`` once an entry point has started IMerge).
 
 The optimizers returned by ``configure_optimizers`` are wrapped in place with
 ``imerge_hooks.DistributedOptimizer`` (same engine, same schedules). Gradients are complete
@@ -17,31 +18,42 @@ the ``imerge`` schedule defer the update into the next forward pass.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed
-from lightning_fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
-from lightning_fabric.utilities.seed import reset_seed
 from lightning_utilities.core.rank_zero import rank_zero_only
-from pytorch_lightning.core.optimizer import LightningOptimizer
-from pytorch_lightning.strategies.parallel import ParallelStrategy
-from pytorch_lightning.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 import imerge_hooks
 from imerge_hooks import runtime
-from imerge_hooks.config import Config
+from imerge_hooks.config import PROCESS_OPTIONS, Config
 from imerge_hooks.errors import IMergeConfigError
-from lightning_plugin.serving import serve_at_exit
 
+from ._lightning import (
+    LightningOptimizer,
+    ParallelStrategy,
+    _distributed_is_initialized,
+    _sync_ddp_if_available,
+    is_overridden,
+    reset_seed,
+)
 from .environment import IMergeEnvironment
 from .launcher import IMergeLauncher
+from .serving import start as start_imerge
+
+_IMERGE_METHODS = ("synchronize", "skip_synchronize", "set_backward_passes_per_step", "close")
 
 
 class IMergeStrategy(ParallelStrategy):
     """Parameter-server data parallelism through IMerge; one process per device, launched by mpiexec.
+
+    Building it checks the configuration and calls no MPI. IMerge starts (collective over
+    COMM_WORLD) at the first Trainer entry point, on every rank; torch.distributed over the
+    workers and the node ranks follow in ``setup_environment``, the first parameter broadcast
+    in ``setup``.
 
     Args:
         num_servers: server ranks (default: ``IMERGE_NUM_SERVERS``, else 0: one process, no servers).
@@ -59,21 +71,28 @@ class IMergeStrategy(ParallelStrategy):
                  **config: Any) -> None:
         self._config = {k: v for k, v in dict(config, schedule=schedule).items() if v is not None}
         Config.from_env(**self._config)  # unknown options and bad values fail here, on every rank
-        _init_runtime(num_servers, self._config)
-        super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=IMergeEnvironment(),
+        _check_num_servers(num_servers)
+        self._num_servers = num_servers
+        self._passes: int | None = None  # backward passes per step set on the IMerge optimizers
+        self._environment = IMergeEnvironment(start=self.start_imerge)
+        super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=self._environment,
                          checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        self._set_rank_zero()
+
+    def start_imerge(self) -> None:
+        """Start IMerge with this strategy's configuration (collective over COMM_WORLD); no-op once it runs."""
+        start_imerge(self._num_servers, self._config)
 
     # ------------------------------------------------------------------ topology
     @property
     def is_server(self) -> bool:
-        return runtime.topology().is_server
+        """Whether this rank is a parameter server (starts IMerge first if no entry point has)."""
+        return self._environment.topology().is_server
 
     @property
     def root_device(self) -> torch.device:
         device = self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
         if device.type == "cuda":
-            return torch.device("cuda", imerge_hooks.local_rank() % max(torch.cuda.device_count(), 1))
+            return torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
         return device
 
     @property
@@ -85,30 +104,29 @@ class IMergeStrategy(ParallelStrategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def set_world_ranks(self) -> None:
-        self._set_rank_zero()
-
-    def _set_rank_zero(self) -> None:
         # One object shared by lightning_utilities, lightning_fabric and (pytorch_)lightning.
         rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
         devices = self.parallel_devices or []
         if len(devices) > 1:
-            workers = runtime.topology().num_workers
             raise IMergeConfigError(
                 f"IMerge runs one process per device, but this process was given {len(devices)} devices "
                 f"(Trainer(devices={len(devices)})). Pass Trainer(devices=1) and launch one MPI rank per device "
-                f"plus the servers, e.g. `mpiexec -n {len(devices) * workers + 1} -env IMERGE_NUM_SERVERS 1 "
-                "python train.py` for that many workers and one server (Open MPI: `mpirun -np N -x "
-                "IMERGE_NUM_SERVERS=1 ...`); each worker uses the device of its local rank.")
-        self._launcher = IMergeLauncher()
+                f"plus the servers, e.g. `mpiexec -n {len(devices) + 1} -env IMERGE_NUM_SERVERS 1 python train.py` "
+                f"for {len(devices)} workers and one server (Open MPI: `mpirun -np N -x IMERGE_NUM_SERVERS=1 ...`); "
+                "each worker uses the device of its local rank.")
+        self._launcher = IMergeLauncher(self.start_imerge)
 
     # ------------------------------------------------------------------ set-up (workers only)
     def setup_environment(self) -> None:
+        """The device, the seed, torch.distributed over the workers and the node ranks (collectives)."""
         super().setup_environment()
         reset_seed()
+        self.set_world_ranks()
         if self.world_size > 1:
             imerge_hooks.worker_group()  # torch.distributed over the workers: reduce, barrier, broadcast
+        self._environment.node_rank()  # collective on first use: here, where every worker is
 
     def setup(self, trainer: Any) -> None:
         self._trainer = trainer
@@ -121,10 +139,10 @@ class IMergeStrategy(ParallelStrategy):
         super().setup_optimizers(trainer)
         module = self.lightning_module
         named = list(module.named_parameters())
-        passes = trainer.accumulate_grad_batches if module.automatic_optimization else None
-        config = dict(self._config)
-        if passes is not None:
-            config["backward_passes_per_step"] = passes
+        self._passes = trainer.accumulate_grad_batches if module.automatic_optimization else None
+        config = {k: v for k, v in self._config.items() if k not in PROCESS_OPTIONS}  # init() took those
+        if self._passes is not None:
+            config["backward_passes_per_step"] = self._passes
         # Re-assigning rebuilds the LightningOptimizer wrappers over the wrapped classes (zero_grad in place).
         self.optimizers = [_distribute(opt, named, config) for opt in self.optimizers]
 
@@ -153,8 +171,8 @@ class IMergeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ training
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-        if not hasattr(inner, "_imerge_engine") or not self._needs_gradients_before_step(model):
+        inner = _imerge_optimizer(optimizer)
+        if inner is None or not self._needs_gradients_before_step(model):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def closure_then_synchronize() -> Any:
@@ -181,12 +199,11 @@ class IMergeStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # GradientAccumulationScheduler may change accumulate_grad_batches between epochs.
         trainer = getattr(self, "_trainer", None)
-        if trainer is None or not self.lightning_module.automatic_optimization:
+        if trainer is None or self._passes is None or trainer.accumulate_grad_batches == self._passes:
             return
-        for opt in self.optimizers:
-            engine = getattr(getattr(opt, "_optimizer", opt), "_imerge_engine", None)
-            if engine is not None and engine.passes != trainer.accumulate_grad_batches and not engine.pending_gradients:
-                engine.passes = trainer.accumulate_grad_batches
+        self._passes = trainer.accumulate_grad_batches
+        for opt in _imerge_optimizers(self.optimizers):
+            opt.set_backward_passes_per_step(self._passes)
 
     # ------------------------------------------------------------------ pending updates
     def on_validation_start(self) -> None:
@@ -228,13 +245,23 @@ class IMergeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ tear-down
     def teardown(self) -> None:
-        if runtime.is_initialized() and not self.is_server:
-            runtime.flush_all()
-        for opt in self.optimizers:
-            engine = getattr(getattr(opt, "_optimizer", opt), "_imerge_engine", None)
-            if engine is not None:
-                engine.remove()  # a later fit() builds new optimizers; their hooks must be the only ones
+        """Close the IMerge optimizers (hooks, callbacks, the servers' keys), then Lightning's tear-down.
+
+        ``close()`` is collective over the workers and their servers. Lightning tears down inside
+        the entry point when it ends normally; after a failed one (torn down once the servers
+        left the stage) the optimizers stay open: no worker waits there for one that failed.
+        """
+        if self._may_close_optimizers():
+            for opt in _imerge_optimizers(self.optimizers):
+                opt.close()  # a later fit() builds new optimizers; their hooks must be the only ones
         super().teardown()
+
+    def _may_close_optimizers(self) -> bool:
+        """On a worker: inside a stage its servers still serve, or without servers (closing is local)."""
+        if not runtime.is_initialized() or runtime.topology().is_server:
+            return False
+        launcher = self.launcher
+        return runtime.topology().num_servers == 0 or (isinstance(launcher, IMergeLauncher) and launcher.in_stage)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -242,27 +269,43 @@ class IMergeStrategy(ParallelStrategy):
                                    override=True)
 
 
-def _init_runtime(num_servers: int | None, config: dict[str, Any]) -> None:
-    if runtime.is_initialized():
-        have = runtime.topology().num_servers
-        if num_servers is not None and num_servers != have:
-            raise IMergeConfigError(f"IMerge is already running with {have} server(s); IMergeStrategy("
-                                    f"num_servers={num_servers}) cannot change that")
-    else:
-        imerge_hooks.init(num_servers, serve="stage", **config)
-    serve_at_exit()
+def _check_num_servers(num_servers: int | None) -> None:
+    """``num_servers`` must agree with ``IMERGE_NUM_SERVERS`` and with a running IMerge (checks, no MPI)."""
+    if num_servers is None:
+        return
+    env = os.environ.get("IMERGE_NUM_SERVERS")
+    if env is not None and Config.from_env().num_servers not in (None, num_servers):
+        raise IMergeConfigError(f"IMergeStrategy(num_servers={num_servers}) disagrees with the environment "
+                                f"IMERGE_NUM_SERVERS={env}: every rank must use the same servers; pass one of them "
+                                "(or the same number in both)")
+    if runtime.is_initialized() and runtime.topology().num_servers != num_servers:
+        raise IMergeConfigError(f"IMerge is already running with {runtime.topology().num_servers} server(s); "
+                                f"IMergeStrategy(num_servers={num_servers}) cannot change that")
+
+
+def _imerge_optimizer(optimizer: Any) -> Any | None:
+    """The IMerge optimizer (``imerge_hooks.DistributedOptimizer``) behind ``optimizer``, or None."""
+    inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return inner if all(callable(getattr(inner, name, None)) for name in _IMERGE_METHODS) else None
+
+
+def _imerge_optimizers(optimizers: list[Any]) -> list[Any]:
+    return [inner for inner in map(_imerge_optimizer, optimizers) if inner is not None]
 
 
 def _distribute(optimizer: Any, named: list, config: dict[str, Any]) -> Any:
-    if hasattr(optimizer, "_imerge_engine"):
-        return optimizer  # configure_optimizers returned an IMerge optimizer already
+    inner = _imerge_optimizer(optimizer)
+    if inner is not None:  # configure_optimizers returned an IMerge optimizer already
+        passes = config.get("backward_passes_per_step")
+        if passes is not None:
+            inner.set_backward_passes_per_step(passes)
+        return optimizer
     if not any(p.requires_grad for group in optimizer.param_groups for p in group["params"]):
         return optimizer  # e.g. Lightning's mock optimizer when configure_optimizers returns None
     return imerge_hooks.DistributedOptimizer(optimizer, named_parameters=named, **config)
 
 
 def _synchronize(optimizer: Any) -> None:
-    inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-    if hasattr(inner, "_imerge_engine"):
+    inner = _imerge_optimizer(optimizer)
+    if inner is not None:
         inner.synchronize()
-

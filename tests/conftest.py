@@ -6,8 +6,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 
+from mpirun import cost_model_cache  # noqa: E402
 
-@pytest.fixture(scope="session")
-def cost_model_dir(tmp_path_factory):
-    """One PS cost-model cache for the whole test session (calibration runs once per W, S)."""
-    return tmp_path_factory.mktemp("costmodel")
+
+@pytest.fixture
+def cost_model_dir() -> Path:
+    """One PS cost-model cache for every test of this pytest process (calibration runs once per W, S)."""
+    return cost_model_cache()

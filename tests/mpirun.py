@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +32,15 @@ class MPIRun:
     def lines(self, rank: int, prefix: str) -> list[str]:
         return [line[len(prefix):].strip() for line in self.ranks.get(rank, "").splitlines()
                 if line.startswith(prefix)]
+
+
+@functools.cache
+def cost_model_cache() -> Path:
+    """One PS cost-model cache directory for every test of this pytest process, so calibration
+    runs once per (W, S); removed at exit. The ``cost_model_dir`` fixture (conftest.py) returns it."""
+    path = Path(tempfile.mkdtemp(prefix="imerge-costmodel-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def mpiexec_path() -> str:
@@ -54,7 +66,7 @@ def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None =
         full_env.update(env)
     cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            cwd=str(REPO), start_new_session=True)
+                            cwd=str(REPO), preexec_fn=os.setsid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -153,22 +153,43 @@ def test_share_model_per_transfer_class():
     assert (16, "whole") not in measured_shares(runs, launches, [16], SimpleNamespace(share_cv=None, share_period=1.0))
 
 
+CALIBRATION = {"2": {"a_s": 2e-3, "bandwidth_Bps_per_server": 7e7, "startup_per_push_s": 1e-3,
+                     "table": {"bytes": [1024.0, 4096.0, 16384.0], "time_s": [3.0e-3, 3.1e-3, 3.5e-3]}}}
+
+
+def test_stored_calibration_stands_in_for_a_missing_cache():
+    """A JSON's own ``calibration`` gives back the PS models it was made with (a fresh clone has no cache)."""
+    sys.path.insert(0, str(REPO))
+    from benchmarks.run import stored_psmodels
+
+    got = stored_psmodels({**CALIBRATION, "8": {"table": None}}, 2)
+    assert set(got) == {2}  # an unreadable entry is skipped
+    model = got[2]
+    assert (model.workers, model.servers, model.a, model.bandwidth) == (2, 2, 2e-3, 7e7)
+    assert model.sizes == CALIBRATION["2"]["table"]["bytes"] and model.times == CALIBRATION["2"]["table"]["time_s"]
+
+
 def test_resume_with_fewer_models_keeps_the_others(tmp_path):
     """``--resume --models M`` on a file that also holds other models' runs (as when one model's
-    timeline is added to a grid) keeps those runs and computes their bound, instead of failing."""
+    timeline is added to a grid) keeps those runs and computes their bound, instead of failing; with
+    no cached PS model the file's own calibration is used."""
     runs = [{"model": m, "schedule": "default", "workers": 2, "servers": 2, "batch_size": 8, "iters": 2,
              "iteration_s": s, "samples_per_s": 16 / s} for m, s in (("alexnet", 4.0), ("resnet18", 2.0))]
     config = {"servers": 2, "bandwidth": "1gbit", "time_scale": 1.0, "iters": 2, "warmup": 1, "profile_steps": 2,
               "rank_env": {}}
-    (tmp_path / "res.json").write_text(json.dumps({"config": config, "measured": {"runs": runs}}))
+    (tmp_path / "res.json").write_text(json.dumps({"config": config, "measured": {"runs": runs},
+                                                   "calibration": CALIBRATION}))
     proc = _run([sys.executable, str(SCRIPT), "--resume", "--no-measure", "--models", "alexnet", "--workers", "2",
                  "--sim-workers", "4", "--validate-workers", "2", "--fusion-schedules", "", "--schedules", "default",
                  "--out-dir", str(tmp_path), "--name", "res"], timeout=240)
     out = _output(proc)
     assert proc.returncode == 0, out
-    kept = {r["model"]: r for r in json.loads((tmp_path / "res.json").read_text())["measured"]["runs"]}
+    doc = json.loads((tmp_path / "res.json").read_text())
+    kept = {r["model"]: r for r in doc["measured"]["runs"]}
     assert set(kept) == {"alexnet", "resnet18"}, out
     assert all(r["bound_s"] > 0 and r["efficiency"] > 0 for r in kept.values()), out
+    assert doc["calibration"]["2"]["a_s"] == CALIBRATION["2"]["a_s"], out
+    assert {v["startup_source"] for v in doc["validation"]} == {"calibrated W=2"}, out
 
 
 def test_validation_simulates_the_installed_plan():

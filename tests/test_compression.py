@@ -8,6 +8,7 @@ from common import reference_train
 from mpirun import run_mpi
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_optimizer.py"
+HOOK_SCRIPT = Path(__file__).parent / "scripts" / "train_ddp_hook.py"
 
 
 @pytest.mark.parametrize("compression,bound", [("fp16", 2e-3), ("bf16", 2e-2)])
@@ -24,3 +25,14 @@ def test_compression_halves_wire_bytes_and_bounds_the_error(tmp_path, compressio
     got = torch.load(out)
     diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
     assert 0 < diff <= bound  # numerics change, by a bounded amount
+
+
+def test_ddp_hook_compresses_with_the_same_bound(tmp_path):
+    out = tmp_path / "hook.pt"
+    plain = run_mpi(HOOK_SCRIPT, 3, str(out), "--hook", servers=1, timeout=120).check()
+    run = run_mpi(HOOK_SCRIPT, 3, str(out), "--hook", "--compression", "fp16", servers=1, timeout=120).check()
+    assert int(run.lines(0, "KEYBYTES")[0]) * 4 == int(plain.lines(0, "KEYBYTES")[0])
+    ref = reference_train("sgd", 5)
+    got = torch.load(out)
+    diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert 0 < diff <= 2e-3

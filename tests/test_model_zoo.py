@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import zoo_models
-from mpirun import MPIRun, run_mpi
+from mpirun import MPIRun, cost_model_cache, run_mpi
 from zoo_models import LIGHTNING_RUNS, MATRIX_W2, MATRIX_W3, Cell
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -60,9 +60,9 @@ ENV = {"IMERGE_PROFILE_STEPS": "3", "IMERGE_FUSION_THRESHOLD_BYTES": "4000", "IM
 
 
 @pytest.fixture(scope="module")
-def zoo_cost_model(cost_model_dir) -> dict[str, str]:
-    """The session's cost-model cache (conftest.py): each topology is calibrated once."""
-    return {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json")}
+def zoo_cost_model() -> dict[str, str]:
+    """The process-wide cost-model cache (``mpirun.cost_model_cache``): each topology is calibrated once."""
+    return {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
 
 
 def launch(tmp_path_factory, zoo_cost_model, script: str, workers: int, servers: int, *args: str,

@@ -8,18 +8,9 @@ import pytest
 
 from imerge_hooks.config import Config
 from imerge_hooks.costmodel import LinearModel, PSModel
+from imerge_hooks.planchoice import choose_plan, cluster_for, model_spec_from_profile, search_plan
 from imerge_hooks.planner import plan
-from imerge_hooks.plansearch import (
-    MIN_PARTITION_BYTES,
-    PARTITION_TOLERANCE,
-    StartupScaled,
-    choose_plan,
-    cluster_for,
-    model_spec_from_profile,
-    partition_sizes,
-    search,
-    search_plan,
-)
+from imerge_hooks.plansearch import MIN_PARTITION_BYTES, PARTITION_TOLERANCE, StartupScaled, partition_sizes, search
 from imerge_hooks.simulate import simulate
 
 KiB, MiB = 1 << 10, 1 << 20

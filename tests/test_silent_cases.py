@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import batch, loss_fn, make_model, make_optimizer
-from mpirun import run_mpi
+from mpirun import cost_model_cache, run_mpi
 from silent_cases import STEPS
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -32,9 +32,9 @@ def reference(case: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def silent_run(tmp_path_factory, cost_model_dir):
+def silent_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("silent") / "{case}.pt"
-    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json")}
+    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
     run = run_mpi(SCRIPTS / "silent_cases.py", 3, str(out), servers=1, timeout=240, env=env).check()
     return out, run
 

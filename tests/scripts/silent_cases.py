@@ -42,7 +42,7 @@ def train_case(out: str, case: str, schedule: str) -> None:
     loop(opt, model, rank, world, case, out)
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out.format(case=case))
-    opt._imerge_engine.close()
+    opt.close()
 
 
 def mismatch_case(case: str) -> None:

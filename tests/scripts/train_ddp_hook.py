@@ -5,6 +5,8 @@ Usage: python train_ddp_hook.py OUT [--hook] [--schedule wfbp] [--no-sync-every 
 
 import argparse
 import contextlib
+import copy
+import pickle
 
 import torch
 from common import batch, loss_fn, make_model, make_optimizer, say, shard
@@ -18,6 +20,7 @@ parser.add_argument("--schedule", default="wfbp")
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--bucket-cap-mb", type=float, default=0.01, help="small buckets: several per model")
 parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step, using no_sync()")
+parser.add_argument("--compression", default="none")
 args = parser.parse_args()
 
 imh.init()
@@ -25,9 +28,14 @@ rank, world = imh.rank(), imh.size()
 model = make_model()
 ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
                                                 bucket_cap_mb=args.bucket_cap_mb)
+state = None
 if args.hook:
-    ddp.register_comm_hook(imh.IMergeHookState(schedule=args.schedule, named_parameters=model.named_parameters()),
-                           imh.ps_hook)
+    state = imh.IMergeHookState(schedule=args.schedule, named_parameters=model.named_parameters(),
+                                compression=args.compression)
+    # A hook state goes into checkpoints and copies, as PowerSGD's does.
+    copied = pickle.loads(pickle.dumps(copy.deepcopy(state)))
+    assert copied.cfg == state.cfg and copied.comm is state.comm
+    ddp.register_comm_hook(state, imh.ps_hook)
 opt = make_optimizer("sgd", model.parameters())
 for step in range(args.steps):
     opt.zero_grad()
@@ -42,4 +50,6 @@ for step in range(args.steps):
     opt.step()
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
+if state is not None:
+    say(rank, "KEYBYTES", sum(k.nbytes for g in state.groups.values() for k in g.keys))
 say(rank, "done")

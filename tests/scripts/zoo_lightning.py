@@ -79,10 +79,10 @@ class ZooModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def worker_loader(model: str) -> DataLoader:
-    """This worker's shard of every step's batch, one step per loader batch."""
-    server = imerge_hooks.is_server()
-    rank, world = (0, 1) if server else (imerge_hooks.rank(), imerge_hooks.size())
+def worker_loader(t: pl.Trainer, model: str) -> DataLoader:
+    """This worker's shard of every step's batch, one step per loader batch (IMerge starts at the
+    first fit, so before it the strategy tells the role)."""
+    rank, world = (0, 1) if t.strategy.is_server else (t.global_rank, t.world_size)
     spec = MODELS[model]
     shards = [shard(spec.batch(step), rank, world) for step in range(spec.steps)]
     columns = [torch.cat([s[0][i] for s in shards]) for i in range(len(shards[0][0]))]
@@ -101,7 +101,7 @@ def fit(run: str, out: Path) -> None:
     counter = DeferralCounter()
     t = trainer(counter)
     module = ZooModule(model_name, opt_name, manual)
-    t.fit(module, worker_loader(model_name))
+    t.fit(module, worker_loader(t, model_name))
     if imerge_hooks.is_server():
         return
     state = {k: v.detach().clone() for k, v in module.net.state_dict().items()}

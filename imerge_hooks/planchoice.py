@@ -1,0 +1,108 @@
+"""The plan the engine installs: the profiled model as a simulator spec, each candidate plan of
+:mod:`imerge_hooks.plansearch` scored by :func:`imerge_hooks.simulate.simulate` with the
+schedule's own traits, the fastest kept.
+
+The search rules (candidates, ties, partition sizes) are :mod:`imerge_hooks.plansearch`'s,
+which the simulator also uses when it plans; this module is where the engine's profile and
+cost model meet the simulator.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+
+from .config import Config
+from .costmodel import CostModel, LinearModel, PSModel
+from .planner import Plan, plan
+from .plansearch import Candidate, candidate_plans, searched_plan
+from .simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
+
+log = logging.getLogger("imerge")
+
+
+def module_of(name: str) -> str:
+    """The module that owns parameter ``name`` (``layer1.0.conv1.weight`` -> ``layer1.0.conv1``)."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def model_spec_from_profile(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str],
+                            forward_times: Mapping[str, float] | None = None) -> ModelSpec:
+    """A simulator ModelSpec with one layer per tensor, from tensors given in READY order.
+
+    Layer ``l`` (forward order) is tensor ``n-1-l``; its backward time is the gap between
+    its ready time and the previous tensor's, so the simulator reproduces the profiled
+    ready times. A module's measured forward time goes to its front-most tensor.
+    """
+    n = len(sizes)
+    forward_times = dict(forward_times or {})
+    layers = []
+    seen_modules: set[str] = set()
+    for layer in range(n):
+        k = n - 1 - layer
+        gap = float(ready[k]) - (float(ready[k - 1]) if k > 0 else 0.0)
+        module = module_of(names[k])
+        fwd = 0.0
+        if module not in seen_modules:
+            seen_modules.add(module)
+            fwd = float(forward_times.get(module, 0.0))
+        layers.append(LayerSpec(name=names[k], param_bytes=[int(sizes[k])],
+                                forward_s=max(fwd, 0.0) if math.isfinite(fwd) else 0.0,
+                                backward_s=max(gap, 0.0) if math.isfinite(gap) else 0.0))
+    return ModelSpec(layers=layers, batch_size=1, name="profiled")
+
+
+def cluster_for(model: CostModel, workers: int, servers: int) -> ClusterSpec | None:
+    """The simulated cluster a cost model describes, or None when it describes none."""
+    if isinstance(model, PSModel) and model.bandwidth > 0:
+        bandwidth = 2.0 * model.bandwidth * max(1.0, servers / workers)
+        return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth,
+                           startup_s=model.a / workers)
+    if isinstance(model, LinearModel) and model.beta > 0:
+        return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=2.0 / model.beta,
+                           startup_s=model.alpha / workers)
+    return None
+
+
+def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
+                cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
+                forward_times: Mapping[str, float] | None = None) -> tuple[Plan, list[Candidate]]:
+    """The fastest of the candidate plans under the simulator, and every candidate's score.
+
+    Tensors are given in ready order (``sizes`` bytes, ``ready`` seconds, ``names``);
+    ``cfg`` supplies the schedule's traits, partition and credit sizes and overlap. The
+    returned Plan has the FIFO-model start/end times of the chosen groups (as every plan),
+    ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and a
+    ``note`` that says which candidate won and why.
+    """
+    cluster = cluster_for(cost_model, workers, servers)
+    if cluster is None or len(sizes) < 2:
+        return plan(sizes, ready, cost_model, "optimal", dtypes=dtypes), []
+    spec = model_spec_from_profile(sizes, ready, names, forward_times)
+    n = len(sizes)
+
+    def score(groups: list[list[int]], partition: int) -> float:
+        # The spec's tensor t (registration order) is ready-order position n-1-t.
+        return simulate(spec, cluster, cfg.schedule, partition_bytes=partition, credit_bytes=cfg.credit_bytes,
+                        result_window_bytes=cfg.result_window_bytes, tail_credit_bytes=cfg.tail_credit_bytes,
+                        cost_model=cost_model, iterations=3, overlap_forward=cfg.overlap, timeline=False,
+                        groups=[[n - 1 - i for i in g] for g in groups]).iteration_s
+
+    chosen, scored = searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready,
+                                   cost_model, cfg.partition_bytes, cfg.traits.partition)
+    log.info("IMerge: plan %s", chosen.note)
+    return chosen, scored
+
+
+def choose_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
+                cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
+                forward_times: Mapping[str, float] | None = None) -> Plan:
+    """The plan the engine installs: simulation-scored for the ``optimal`` planner when
+    ``cfg.plan_search`` is on, otherwise the schedule's planner method as is."""
+    method = cfg.traits.planner
+    if method == "optimal" and cfg.plan_search and servers > 0:
+        return search_plan(sizes, ready, names, cost_model, cfg, workers, servers,
+                           dtypes=dtypes, forward_times=forward_times)[0]
+    return plan(sizes, ready, cost_model, method, fusion_threshold_bytes=cfg.fusion_threshold_bytes,
+                dtypes=dtypes)
