@@ -10,7 +10,7 @@ from mpirun import run_mpi
 SCRIPT = Path(__file__).parent / "scripts" / "checkpoint.py"
 
 
-@pytest.mark.parametrize("schedule", ["wfbp", "imerge"])
+@pytest.mark.parametrize("schedule", ["imerge"])  # deferred updates: the harder case (wfbp: the model zoo)
 def test_resume_equals_uninterrupted(tmp_path, schedule):
     env = {"IMERGE_COST_MODEL_PATH": str(tmp_path / "ps-{workers}w-{servers}s-{hosts}.json")}
     whole, part, resumed, ckpt = (str(tmp_path / n) for n in ("whole.pt", "part.pt", "resumed.pt", "ckpt.pt"))

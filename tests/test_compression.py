@@ -11,7 +11,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_optimizer.py"
 HOOK_SCRIPT = Path(__file__).parent / "scripts" / "train_ddp_hook.py"
 
 
-@pytest.mark.parametrize("compression,bound", [("fp16", 2e-3), ("bf16", 2e-2)])
+@pytest.mark.parametrize("compression,bound", [("bf16", 2e-2)])  # fp16: the DDP hook test below
 def test_compression_halves_wire_bytes_and_bounds_the_error(tmp_path, compression, bound):
     out = tmp_path / "final.pt"
     plain = run_mpi(SCRIPT, 3, str(out), "--schedule", "wfbp", servers=1, timeout=120).check()
