@@ -3,7 +3,7 @@
     python benchmarks/calibrate.py [--workers 1,2,4,8] [--servers 1,2] [--max-bytes 64MiB]
                                    [--out-dir benchmarks/results] [--timeout 900]
 
-For every (W, S) it launches ``mpiexec -n W+S python -m imerge_hooks.calibrate --out <tmp json>``
+For every (W, S) it launches ``mpiexec -n W+S python -m imerge_hooks.plan.calibrate --out <tmp json>``
 (mpiexec next to ``sys.executable``, env ``IMERGE_NUM_SERVERS=S``, ``OMP_NUM_THREADS=1``) and
 loads the ``PSModel`` it writes: for each message size m on the calibration grid (1 KiB, 4 KiB,
 ... up to ``--max-bytes``), the time T(m) of one push + pull of m bytes by every worker at once
@@ -143,7 +143,7 @@ def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: 
     env = dict(os.environ)
     env.update({"IMERGE_NUM_SERVERS": str(servers), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    cmd = [mpiexec_path(), "-n", str(workers + servers), sys.executable, "-m", "imerge_hooks.calibrate",
+    cmd = [mpiexec_path(), "-n", str(workers + servers), sys.executable, "-m", "imerge_hooks.plan.calibrate",
            "--out", out, "--max-bytes", str(max_bytes)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -160,7 +160,7 @@ def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: 
               "returncode": proc.returncode, "timed_out": timed_out, "stdout": stdout, "stderr": stderr,
               "model": None, "model_error": None}
     if os.path.exists(out):
-        from imerge_hooks.costmodel import PSModel
+        from imerge_hooks.plan.costmodel import PSModel
 
         try:
             result["model"] = PSModel.from_json(out)

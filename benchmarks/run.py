@@ -143,7 +143,7 @@ def physical_bound(facts: dict, workers: int, servers: int, bandwidth_Bps: float
 
 # ---------------------------------------------------------------------------- simulation
 def cached_psmodel(cache_dir: Path, workers: int, servers: int):
-    from imerge_hooks.costmodel import PSModel
+    from imerge_hooks.plan.costmodel import PSModel
 
     paths = sorted(glob.glob(str(cache_dir / f"psmodel-{workers}w-{servers}s-*.json")))
     if not paths:
@@ -160,7 +160,7 @@ def stored_psmodels(calibration: dict, servers: int) -> dict:
     ``--resume --no-measure`` falls back on them where ``<out-dir>/cache`` has no model for that W
     (the cache is not tracked), so the tables and the validation of a stored run can be printed
     again from its JSON alone."""
-    from imerge_hooks.costmodel import PSModel
+    from imerge_hooks.plan.costmodel import PSModel
 
     out = {}
     for w, c in calibration.items():
@@ -213,7 +213,7 @@ def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scal
     as ``choose_plan`` does), not on the cluster being predicted. None for the other schedules
     (their plans do not depend on the cluster) or without a calibrated model."""
     from imerge_hooks.config import SCHEDULE_TRAITS
-    from imerge_hooks.planchoice import cluster_for
+    from imerge_hooks.plan.choice import cluster_for
     from imerge_hooks.simulate import ModelSpec, simulate
 
     cluster = cluster_for(cost_model, workers, servers) if cost_model is not None else None

@@ -21,7 +21,7 @@ median(schedule) / median(default), with the spread of the per-round ratios (sch
 of the same round) in brackets.
 
 The PS cost model (read by the planned schedules ``threshold``, ``mgwfbp``, ``adaptive-ps``,
-``imerge``) is measured once per S before the rounds (``python -m imerge_hooks.calibrate``) and cached under
+``imerge``) is measured once per S before the rounds (``python -m imerge_hooks.plan.calibrate``) and cached under
 ``--cache-dir``; the runs then only read it. ``--recalibrate`` measures it again.
 
 All ranks share one machine (shared-memory MPI): communication is a memory copy, so
@@ -166,7 +166,7 @@ def machine_info() -> dict:
 def cost_model_file(cache_dir: Path, servers: int) -> Path:
     """The file the library will use for (W=2, S) on this one host.
 
-    Mirrors ``imerge_hooks.calibrate.cache_path`` for a single host (sha1 of the sorted host
+    Mirrors ``imerge_hooks.plan.calibrate.cache_path`` for a single host (sha1 of the sorted host
     names); if that ever changes the runs simply calibrate themselves during warm-up.
     """
     digest = hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:10]
@@ -235,7 +235,7 @@ def calibrate(servers: int, cache_dir: Path, timeout: float, max_bytes: int | No
     if path.exists():
         path.unlink()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [mpiexec_path(), "-n", str(WORKERS + servers), sys.executable, "-m", "imerge_hooks.calibrate",
+    cmd = [mpiexec_path(), "-n", str(WORKERS + servers), sys.executable, "-m", "imerge_hooks.plan.calibrate",
            "--out", str(path)]
     if max_bytes:
         cmd += ["--max-bytes", str(max_bytes)]

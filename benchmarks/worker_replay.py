@@ -217,7 +217,7 @@ def _policy_value(name: str, text: str) -> bool | int | None:
     """``--alternate``'s value for one SchedulePolicy field, parsed as the IMERGE_* env vars are
     (``Config.from_env``): a bool field takes true/false/on/off/1/0, the byte fields an int or ``none``."""
     from imerge_hooks.config import parse_value
-    from imerge_hooks.scheduler import SchedulePolicy
+    from imerge_hooks.schedule import SchedulePolicy
 
     field_type = next(f.type for f in dataclasses.fields(SchedulePolicy) if f.name == name)
     try:

@@ -11,13 +11,13 @@ Typical use (Horovod style)::
 
 from __future__ import annotations
 
-from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .config import SCHEDULES, Config
 from .ddp import IMergeHookState, ps_hook
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .layout import Compression
 from .optimizer import DistributedOptimizer
 from .runtime import init, join, shutdown, worker_group
+from .state_broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
 

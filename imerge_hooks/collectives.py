@@ -13,7 +13,7 @@ from ._mpi import MPI
 from .errors import IMergeTimeoutError
 from .failure import record_fatal, whoami
 from .polling import Backoff
-from .transport import TAG_COLLECTIVE
+from .wire import TAG_COLLECTIVE
 
 _default_timeout_s = 600.0
 

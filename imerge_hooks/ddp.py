@@ -15,31 +15,43 @@ compares the hook's annotations by identity.
 """
 
 import logging
-import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import runtime
+from .engine import GradientEngine
 from .errors import IMergeConfigError
-from .layout import Group, Placement, cut_keys, dtype_name, names_in_range, wire_dtype
-from .planchoice import choose_plan
-from .scheduler import SchedulePolicy
-from .transport import SUPPORTED_DTYPES, KeySpec
+from .group import Group
+from .layout import dtype_name
 
 log = logging.getLogger("imerge")
 
 _BUCKET_SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps")
 
 
-class IMergeHookState:
-    """State of ``ps_hook``: the bucket layout registered with the servers, and the schedule.
+class BucketEngine(GradientEngine):
+    """The engine with DDP's buckets as its tensors: gradients arrive from the hook, not from
+    grad hooks, and the step is the user's; layout, keys, placement, registration, profiling,
+    planning, compression, timeline and failures are the engine's."""
 
-    ``schedule`` is ``wfbp`` (each bucket as soon as DDP hands it over), ``priority``
-    (buckets cut into partitions, front layers first, credit-bounded) or ``default`` (same
-    as wfbp: DDP itself decides when buckets are ready). Fusion is DDP's ``bucket_cap_mb``.
+    def _connect(self) -> None:
+        pass  # no parameter hooks; DDP's own join and broadcasts cover the rest
+
+
+def _stand_in(numel: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Parameter:
+    """A bucket as an engine tensor: its shape, dtype and device, and no storage of its own."""
+    return torch.nn.Parameter(torch.zeros((), dtype=dtype, device=device).expand(numel))
+
+
+class IMergeHookState:
+    """State of ``ps_hook``: the engine over DDP's buckets, and the schedule.
+
+    ``schedule`` is ``wfbp`` (each bucket as soon as DDP hands it over), ``default`` (every
+    bucket once DDP has handed over the last), ``priority`` (buckets cut into partitions, front
+    layers first, credit-bounded), or a planned schedule (``threshold``, ``mgwfbp``,
+    ``adaptive-ps``: adjacent buckets merged after ``profile_steps`` profiled iterations).
     ``named_parameters`` (optional) lets error messages name tensors.
     """
 
@@ -55,17 +67,16 @@ class IMergeHookState:
         if self.cfg.overlap_forward:
             raise IMergeConfigError("IMerge: overlap_forward is impossible through a DDP comm hook (DDP waits for "
                                     "every bucket before step()); use imerge_hooks.DistributedOptimizer")
-        traits = self.cfg.traits
-        self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
-                                     credit_bytes=self.cfg.credit_bytes if traits.partition else None,
-                                     result_window_bytes=self.cfg.result_window_bytes if traits.partition else None)
+        if self.cfg.backward_passes_per_step != 1:
+            raise IMergeConfigError("IMerge: backward_passes_per_step is DDP's no_sync() on the DDP hook path; "
+                                    "leave it at 1 there")
         self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         self._attach()
 
     def __getstate__(self) -> dict[str, Any]:
         """What a checkpoint, ``pickle`` or ``deepcopy`` keeps: the settings, not the communicator
         and buffers (as PowerSGD's state drops its process group); ``__setstate__`` re-attaches."""
-        return {"cfg": self.cfg, "policy": self.policy, "names": self.names}
+        return {"cfg": self.cfg, "names": self.names}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -74,195 +85,126 @@ class IMergeHookState:
         self._attach()
 
     def _attach(self) -> None:
-        """Bind to this process's IMerge runtime with a fresh bucket layout (registered on first use)."""
+        """Bind to this process's IMerge runtime; the engine is built at the first iteration."""
         self.topo = runtime.topology()
         self.comm = runtime.comm_thread()
-        self.client = runtime.new_client_id()
-        self.groups: dict[int, Group] = {}  # bucket index -> group
-        self.layout: dict[int, tuple] = {}  # bucket index -> (numel, dtype, device, names)
-        self.epoch = 0
-        # Planned schedules: DDP buckets are the planner's tensors; adjacent buckets are merged.
-        self.planned = self.cfg.traits.planner != "none"
-        self.iteration = 0
-        self.ready: dict[int, float] = {}  # bucket index -> seconds after the first bucket
-        self.samples: list[dict[int, float]] = []
-        self.merged: list[Group] | None = None  # planned groups of buckets (after profiling)
-        self.merged_of: dict[int, int] = {}  # bucket index -> merged group index
-        self.pending: dict[int, tuple] = {}  # bucket index -> (buffer, future) until its group is done
-        self.first_ready: float | None = None
+        self.engine: BucketEngine | None = None
+        self.signature: list[tuple] = []  # the engine's buckets: (numel, dtype, device, names)
+        self.iteration_open = False
+        self.outstanding: dict[int, tuple[torch.Tensor, torch.futures.Future]] = {}  # this iteration's buckets
+        self.collected: dict[int, tuple] = {}  # buckets of a new layout, pushed once the last one is in
 
-    def _bucket_names(self, bucket: dist.GradBucket) -> list[tuple[str, int, int]]:
-        spans, offset = [], 0
-        for j, p in enumerate(bucket.parameters()):
-            name = self.names.get(id(p), f"bucket{bucket.index()}.param{j}")
-            spans.append((name, offset, p.numel()))
-            offset += p.numel()
-        return spans
+    @property
+    def policy(self):
+        return None if self.engine is None else self.engine.policy
 
-    def group_for(self, bucket: dist.GradBucket) -> Group:
-        """The group for this bucket; registers a new plan epoch when DDP changed its buckets."""
+    def _describe(self, bucket: dist.GradBucket) -> tuple:
         buffer = bucket.buffer()
+        names = tuple(self.names.get(id(p), f"bucket{bucket.index()}.param{j}")
+                      for j, p in enumerate(bucket.parameters()))
+        dtype_name(buffer.dtype, names[0] if names else "?", f"worker {self.topo.worker_rank}, DDP bucket "
+                   f"{bucket.index()}")
+        return buffer.numel(), buffer.dtype, buffer.device, names
+
+    # ------------------------------------------------------------------ one bucket
+    # The engine's tensors are the buckets in forward order (tensor j is bucket count-1-j, as
+    # parameters are registered), so its first guess, priorities and plans read as for parameters.
+    def _tensor(self, bucket_index: int) -> int:
+        return len(self.signature) - 1 - bucket_index
+
+    def push(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        future = (torch.futures.Future(devices=[buffer.device]) if buffer.device.type == "cuda"
+                  else torch.futures.Future())
+        if self.comm is None:  # one worker, no server: nothing to average
+            future.set_result(buffer)
+            return future
         index = bucket.index()
-        spans = self._bucket_names(bucket)
-        where = f"worker {self.topo.worker_rank}, DDP bucket {index}"
-        dtype_name(buffer.dtype, spans[0][0] if spans else "?", where)
-        signature = (buffer.numel(), buffer.dtype, buffer.device, tuple(n for n, _, _ in spans))
-        if self.layout.get(index) != signature:
-            self._register_bucket(index, buffer, spans, signature)
-        group = self.groups[index]
-        group.flat = buffer
-        return group
-
-    def _register_bucket(self, index: int, buffer: torch.Tensor, spans: list, signature: tuple) -> None:
-        # A bucket index beyond the known ones, or with a new shape: DDP built or rebuilt its buckets.
         if index == 0:
-            self.groups, self.layout = {}, {}
-            self.merged, self.merged_of, self.samples = None, {}, []  # re-profile the new buckets
-        numel = buffer.numel()
-        wire = wire_dtype(buffer.dtype, self.cfg.compression)
-        esize = wire.itemsize
-        ranges = cut_keys(numel, esize, self.cfg.partition_bytes if self.cfg.traits.partition else None,
-                          self.topo.num_servers)
-        placement = Placement(self.topo.num_servers)
-        for g in self.groups.values():
-            for k in g.keys:
-                placement.place(k.nbytes)
-        ids = runtime.allocate_keys(len(ranges))
-        keys = [KeySpec(key, (end - start) * esize, SUPPORTED_DTYPES[wire],
-                        placement.place((end - start) * esize), names_in_range(spans, start, end))
-                for key, (start, end) in zip(ids, ranges)]
-        self.groups[index] = Group(index=index, flat=buffer, keys=keys, key_ranges=ranges, priority=-index,
-                                   names=tuple(n for n, _, _ in spans), members=[index],
-                                   **_wire_buffers(buffer, wire))
-        self.layout[index] = signature
-        all_keys = [k for i in sorted(self.groups) for k in self.groups[i].keys]
-        self.epoch = runtime.register_keys(self.client, all_keys)
-        log.info("IMerge worker %d: DDP bucket %d registered (%d bytes, %d keys), plan epoch %d",
-                 self.topo.worker_rank, index, numel * esize, len(keys), self.epoch)
-
-
-    # ------------------------------------------------------------------ planned fusion of buckets
-    def note_ready(self, bucket: dist.GradBucket) -> None:
-        now = time.monotonic()
-        if self.first_ready is None:
-            self.first_ready = now
-        self.ready[bucket.index()] = now - self.first_ready
+            self._end_iteration()
+        self.iteration_open = True
+        self.outstanding[index] = (buffer, future)
+        signature = self._describe(bucket)
+        if self.collected or index >= len(self.signature) or self.signature[index] != signature:
+            # DDP built or rebuilt its buckets: gather this iteration's new ones, then a new engine.
+            self.collected[index] = signature
+        else:
+            self.engine.accept(self._tensor(index), buffer)
         if bucket.is_last():
-            self.iteration += 1
-            if self.iteration > 2:  # DDP rebuilds its buckets after the first iteration(s)
-                self.samples.append(dict(self.ready))
-            self.ready, self.first_ready = {}, None
+            if self.collected or index + 1 != len(self.signature):
+                self._adopt_buckets(index + 1)
+            else:
+                self.engine.push_remaining()  # schedule "default": every bucket goes now
+        return future
 
-    def maybe_plan(self) -> None:
-        """At an iteration boundary after profile_steps, merge adjacent buckets (a plan epoch)."""
-        if self.merged is not None or len(self.samples) < max(1, self.cfg.profile_steps - 2) or self.ready:
-            return
-        from .replan import cost_model_for
-
-        order = sorted(self.groups)
-        sizes = [self.groups[b].nbytes for b in order]
-        ready = [statistics.median(s.get(b, 0.0) for s in self.samples) for b in order]
-        model = cost_model_for(self.cfg.traits.planner) if self.topo.num_servers else None
-        decision = None
-        if self.topo.worker_rank == 0:
-            names = [f"bucket{b}" for b in order]
-            decision = choose_plan(sizes, ready, names, model, self.cfg, self.topo.num_workers,
-                                   self.topo.num_servers,
-                                   dtypes=[str(self.groups[b].flat.dtype) for b in order]).groups
-        decision = runtime.from_worker0(decision, "the merged-bucket plan")
-        placement = Placement(self.topo.num_servers)
-        merged, keys = [], []
-        for gi, members in enumerate(decision):
-            buckets = [order[j] for j in members]
-            flat = torch.cat([self.groups[b].flat.detach().reshape(-1) for b in buckets])
-            wire = wire_dtype(flat.dtype, self.cfg.compression)
-            ranges = cut_keys(flat.numel(), wire.itemsize, None, self.topo.num_servers)
-            ids = runtime.allocate_keys(len(ranges))
-            names = tuple(n for b in buckets for n in self.groups[b].names)
-            spans, offset = [], 0
-            for b in buckets:
-                for n in self.groups[b].names:
-                    spans.append((n, offset, 0))
-                offset += self.groups[b].flat.numel()
-            gkeys = [KeySpec(k, (e - s_) * wire.itemsize, SUPPORTED_DTYPES[wire],
-                             placement.place((e - s_) * wire.itemsize), names)
-                     for k, (s_, e) in zip(ids, ranges)]
-            keys += gkeys
-            merged.append(Group(index=gi, flat=flat, keys=gkeys, key_ranges=ranges, priority=-min(buckets),
-                                names=names, members=buckets, **_wire_buffers(flat, wire)))
-            for b in buckets:
-                self.merged_of[b] = gi
-        self.merged = merged
-        self.epoch = runtime.register_keys(self.client, keys)
-        log.info("IMerge worker %d: DDP buckets merged into %d groups (%s plan), plan epoch %d",
-                 self.topo.worker_rank, len(merged), self.cfg.traits.planner, self.epoch)
-
-    def push_merged(self, bucket: dist.GradBucket, future: torch.futures.Future) -> None:
-        group = self.merged[self.merged_of[bucket.index()]]
+    def _complete(self, group: Group):
+        """The comm thread's completion of ``group``: averaged buckets back into DDP's buffers."""
+        engine = self.engine
+        spans = []
         offset = 0
-        for b in group.members:
-            if b == bucket.index():
-                break
-            offset += self.groups[b].flat.numel()
-        buffer = bucket.buffer()
-        group.flat[offset:offset + buffer.numel()].copy_(buffer.reshape(-1))
-        self.pending[bucket.index()] = (buffer, future, offset)
-        if any(b not in self.pending for b in group.members):
-            return
+        for i in group.members:
+            numel = engine.params[i].numel()
+            spans.append((self._tensor(i), offset, numel))  # tensor index <-> bucket index: same map
+            offset += numel
+        result = group.result
 
-        def complete(error: BaseException | None, group: Group = group) -> None:
-            for b in group.members:
-                buf, fut, off = self.pending.pop(b)
+        def complete(error: BaseException | None) -> None:
+            for index, start, numel in spans:
+                if index in self.collected:
+                    continue  # a bucket of the new layout: the old engine carried zeros for it
+                entry = self.outstanding.pop(index, None)
+                if entry is None:
+                    continue  # already averaged through the old engine (carried as zeros here)
+                buffer, future = entry
                 if error is not None:
-                    fut.set_exception(error)
+                    future.set_exception(error)
                     continue
-                buf.reshape(-1).copy_(group.flat[off:off + buf.numel()])
-                fut.set_result(buf)
+                buffer.reshape(-1).copy_(result[start:start + numel])
+                future.set_result(buffer)
 
-        group.callbacks.append(complete)
-        self.comm.submit(group, self.policy)
+        return complete
 
+    # ------------------------------------------------------------------ iteration boundaries
+    def _end_iteration(self) -> None:
+        """At the next iteration's first bucket: take the results and let the planner act."""
+        if not self.iteration_open or self.engine is None:
+            return
+        self.iteration_open = False
+        for group in self.engine.groups:
+            if group.submitted:
+                self.engine.wait_group(group)
+        self.engine.finish_iteration()
 
-def _wire_buffers(flat: torch.Tensor, wire: torch.dtype) -> dict[str, torch.Tensor | None]:
-    """A group's result buffer in the wire dtype (host memory) and, when the gradients are on a GPU
-    or go compressed, the host staging copy they are pushed from (``Group.send_buffer``)."""
-    on_host = flat.device.type == "cpu"
-    result = torch.empty(flat.numel(), dtype=wire, pin_memory=not on_host and torch.cuda.is_available())
-    staging = None if on_host and wire == flat.dtype else torch.empty_like(result)
-    return {"result": result, "staging": staging}
+    def _adopt_buckets(self, count: int) -> None:
+        """The last bucket of a new layout is in: finish the old engine's groups, retire it, and
+        average the new buckets through an engine built over all ``count`` of them."""
+        old = self.engine
+        if old is not None:
+            # The buckets that matched the old layout went through it; send what is left of its
+            # groups (every worker does the same) so they complete, then retire it (a plan epoch).
+            old.push_remaining()
+            for group in old.groups:
+                if group.submitted:
+                    old.wait_group(group)
+            old.close()
+        signature = [self.collected.get(b) or self.signature[b] for b in range(count)]
+        named = []
+        for b in reversed(range(count)):
+            numel, dtype, device, names = signature[b]
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            named.append((f"ddp_bucket{b}[{shown}]", _stand_in(numel, dtype, device)))
+        self.signature = signature
+        self.engine = engine = BucketEngine(named, self.cfg)
+        engine.on_complete = self._complete
+        log.info("IMerge worker %d: %d DDP buckets (%d bytes) adopted, plan epoch %d",
+                 self.topo.worker_rank, count, sum(g.nbytes for g in engine.groups), engine.epoch)
+        collected, self.collected = self.collected, {}
+        for b in sorted(collected):
+            engine.accept(self._tensor(b), self.outstanding[b][0])
+        engine.push_remaining()  # buckets the old engine averaged go along as zeros, once
+        self.iteration_open = True
 
 
 def ps_hook(state: IMergeHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket`` over the workers through the parameter servers."""
-    if state.planned and state.comm is not None:
-        if bucket.index() == 0:
-            state.maybe_plan()
-        state.note_ready(bucket)
-        if state.merged is not None and bucket.index() in state.merged_of \
-                and state.groups.get(bucket.index()) is not None \
-                and state.layout.get(bucket.index(), (None,))[0] == bucket.buffer().numel():
-            future = torch.futures.Future()
-            state.push_merged(bucket, future)
-            return future
-    group = state.group_for(bucket)
-    buffer = bucket.buffer()
-    if buffer.device.type == "cuda":
-        future: torch.futures.Future = torch.futures.Future(devices=[buffer.device])
-        event = torch.cuda.Event()
-        event.record()
-        group.cuda_event = event
-    else:
-        future = torch.futures.Future()
-    if state.comm is None:  # one worker, no server: nothing to average
-        future.set_result(buffer)
-        return future
-
-    def complete(error: BaseException | None) -> None:
-        if error is None:
-            future.set_result(buffer)
-        else:
-            future.set_exception(error)
-
-    group.callbacks.append(complete)
-    state.comm.submit(group, state.policy)
-    return future
+    return state.push(bucket)

@@ -20,10 +20,11 @@ from .config import Config
 from .deferral import DeferredStep, supports_deferral
 from .errors import IMergeUsageError
 from .gates import AccessGuard, GateLearner
-from .layout import Group, Placement, cut_keys, dtype_name, names_in_range, wire_dtype
+from .group import Group
+from .layout import Placement, cut_keys, dtype_name, names_in_range, wire_dtype
 from .memory import Arena
-from .scheduler import SchedulePolicy
-from .transport import SUPPORTED_DTYPES, KeySpec
+from .schedule import SchedulePolicy
+from .wire import SUPPORTED_DTYPES, KeySpec
 
 log = logging.getLogger("imerge")
 
@@ -41,10 +42,7 @@ class GradientEngine:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._check_parameters()
         traits = config.traits
-        self.policy = SchedulePolicy(priority=traits.priority, stagger=traits.stagger,
-                                     credit_bytes=config.credit_bytes if traits.partition else None,
-                                     result_window_bytes=config.result_window_bytes if traits.partition else None,
-                                     tail_credit_bytes=config.tail_credit_bytes if traits.tail_credit else None)
+        self.policy = SchedulePolicy.from_config(config)
         self.immediate = not traits.push_after_backward
         self.passes = config.backward_passes_per_step
         self.iteration = 0
@@ -79,18 +77,26 @@ class GradientEngine:
         self.set_layout(initial)
         self.replanner = None
         if config.traits.planner != "none":
-            from .replan import Replanner
+            from .plan.replan import Replanner
 
             self.replanner = Replanner(self)
             self.listeners.append(self.replanner)
+        self.timeline = runtime.timeline()
+        # Called with each group as it is submitted: returns a one-shot fn(error_or_None) the comm
+        # thread runs when the group completes (the DDP hook resolves its futures with it).
+        self.on_complete = None
+        self._hooks: dict[int, object] = {}
+        self._connect()
+
+    def _connect(self) -> None:
+        """Where gradients come from and what the process asks of this engine: grad hooks on the
+        parameters, flush and join callbacks, the timeline's module spans."""
         runtime.add_flush_callback(self.flush_deferred)
         runtime._state.join_callbacks.append(self.synchronize)
         runtime._state.after_join_callbacks.append(self._take_parameters_of)
-        self.timeline = runtime.timeline()
         if self.timeline is not None:
             self.timeline.watch_modules(lambda m: any(id(p) in self._index for p in m._parameters.values()
                                                       if p is not None))
-        self._hooks: dict[int, object] = {}
         self._register_hooks()
 
     # ------------------------------------------------------------------ checks
@@ -135,7 +141,7 @@ class GradientEngine:
         self.set_layout(self._one_per_tensor())
         self._register_hooks()
         if self.replanner is not None:
-            from .replan import Replanner
+            from .plan.replan import Replanner
 
             self.listeners.remove(self.replanner)
             self.replanner.profiler.close()  # an unfinished profile leaves global module hooks
@@ -275,6 +281,17 @@ class GradientEngine:
                                 f"{'sparse ' if grad.is_sparse else ''}{grad.dtype}, expected dense {view.dtype}")
             view.copy_(grad)
             param.grad = view
+        self.gradient_ready(i)
+
+    def accept(self, i: int, gradient: torch.Tensor) -> None:
+        """Tensor ``i``'s gradient arrives as a tensor (the DDP hook's bucket): copy it in, count it."""
+        if self.backward_started is None:
+            self.backward_started = time.monotonic()
+        self.views[i].copy_(gradient.reshape(self.views[i].shape))
+        self.gradient_ready(i)
+
+    def gradient_ready(self, i: int) -> None:
+        """Tensor ``i``'s gradient is in its view: count it and submit its group once complete."""
         self.counts[i] += 1
         if self.counts[i] > self.passes:
             raise IMergeUsageError(
@@ -299,6 +316,8 @@ class GradientEngine:
             event = torch.cuda.Event()
             event.record()
             group.cuda_event = event
+        if self.on_complete is not None:
+            group.callbacks.append(self.on_complete(group))
         self.comm.submit(group, self.policy, self.iteration if round_number is None else round_number)
 
     # ------------------------------------------------------------------ iteration end

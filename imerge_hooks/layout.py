@@ -1,95 +1,11 @@
-"""Groups and keys: how flat gradient buffers are cut into keys and placed on servers."""
+"""Keys: how a group's flat buffer is cut into keys, in which dtype they travel, and on which server
+each key lives. Pure rules: the engine and the simulator both lay out keys with these."""
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-
 import torch
 
-from .transport import SUPPORTED_DTYPES, KeySpec, as_mpi_buffer
-
-
-@dataclass
-class Group:
-    """One planned group: a flat buffer that travels as one or more keys.
-
-    ``flat`` holds the gradients (parameters' ``.grad`` are views into it); ``result``
-    receives the averaged keys from the servers; ``key_ranges`` are element ranges of ``flat``.
-    With ``swap`` (host memory, no wire conversion) nothing is copied back: the owner swaps
-    ``flat`` and ``result`` once the group is complete (``take_result``), so a round trip
-    costs no extra pass over the gradients.
-    """
-
-    index: int
-    flat: torch.Tensor
-    result: torch.Tensor
-    keys: list[KeySpec]
-    key_ranges: list[tuple[int, int]]
-    priority: int
-    names: tuple[str, ...]
-    staging: torch.Tensor | None = None  # host/wire-dtype copy of ``flat`` (GPU tensors, compression)
-    done: threading.Event = field(default_factory=threading.Event)
-    submitted: bool = False
-    cuda_event: object | None = None  # recorded when the gradients are ready (GPU only)
-    members: list[int] = field(default_factory=list)  # parameter indices (engine) or bucket index (DDP)
-    callbacks: list = field(default_factory=list)  # one-shot fn(error_or_None), run by the comm thread
-    swap: bool = False  # result becomes flat on completion (see take_result) instead of a copy
-    result_pending: bool = False  # swap groups: submitted, result not taken yet
-    # Tail credit (flowcontrol): submitting a group with tail_keys > 0 starts the tail, which lasts
-    # until that many keys of the urgent group (the plan's last, the next forward's first) are delivered.
-    tail_keys: int = 0
-    urgent: bool = False
-    round: int = 0  # the step this submission belongs to (its keys' tags carry it, see transport.key_tag)
-
-    _buffers: dict = field(default_factory=dict, repr=False)
-
-    def mpi_buffer(self, tensor: torch.Tensor, start: int, end: int) -> list:
-        """``as_mpi_buffer(tensor[start:end])``, cached: building one costs ~10 us per message."""
-        key = (tensor.data_ptr(), start, end)
-        buf = self._buffers.get(key)
-        if buf is None:
-            if len(self._buffers) > 8 * max(1, len(self.keys)):
-                self._buffers.clear()  # buffers were replaced (DDP rebuilt its buckets)
-            buf = self._buffers[key] = as_mpi_buffer(tensor[start:end])
-        return buf
-
-    def release_buffers(self) -> None:
-        """Drop the cached MPI views (they keep the group's buffers alive)."""
-        self._buffers.clear()
-
-    def send_buffer(self, start: int, end: int) -> list:
-        """MPI buffer of the bytes to push for elements [start, end): host memory, wire dtype.
-
-        GPU and compressed groups are staged into ``staging`` first.
-        """
-        if self.staging is None:
-            return self.mpi_buffer(self.flat, start, end)
-        if self.cuda_event is not None and self.flat.device.type == "cuda":
-            self.cuda_event.synchronize()
-        self.staging[start:end].copy_(self.flat[start:end])
-        return self.mpi_buffer(self.staging, start, end)
-
-    def unpack(self, start: int, end: int) -> None:
-        """Copy the averaged result into the gradient buffer (widening or uploading as needed)."""
-        if not self.swap:
-            self.flat[start:end].copy_(self.result[start:end])
-
-    def take_result(self) -> bool:
-        """Swap groups: make the completed result the gradient buffer. True if it swapped."""
-        if not (self.swap and self.result_pending and self.done.is_set()):
-            return False
-        self.flat, self.result = self.result, self.flat
-        self.result_pending = False
-        return True
-
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
-
-    def describe(self) -> str:
-        shown = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
-        return f"group {self.index} ({len(self.names)} tensors, {self.nbytes} bytes: {shown})"
+from .wire import SUPPORTED_DTYPES
 
 
 class Compression:

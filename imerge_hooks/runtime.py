@@ -15,13 +15,13 @@ from typing import Any
 from . import collectives, polling
 from ._mpi import MPI, ensure_initialized
 from .collectives import collective
+from .comm import CommThread
 from .config import PROCESS_OPTIONS, Config
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .failure import abort, fatal_error, install_excepthooks, record_fatal, set_identity, whoami
 from .polling import Backoff
-from .scheduler import CommThread
 from .topology import Topology, build_topology
-from .transport import (
+from .wire import (
     KEY_TAG_BASE,
     ROUND_TAGS,
     TAG_COLLECTIVE,

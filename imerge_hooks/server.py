@@ -24,7 +24,7 @@ from .failure import abort
 from .memory import host_buffer
 from .polling import Backoff
 from .topology import Topology
-from .transport import (
+from .wire import (
     DTYPE_BY_NAME,
     KEY_TAG_BASE,
     ROUND_TAGS,

@@ -17,13 +17,13 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   L-1..0, one after another; times are the spec's times times ``ClusterSpec.time_scale``.
   A tensor's gradient is ready when its layer's backward ends; the gradient-ready order is
   reverse registration order (ties inside a layer: later-registered first, as the profiler).
-* **Plan.** Groups come from :func:`imerge_hooks.planner.plan` on the tensors in ready order,
+* **Plan.** Groups come from :func:`imerge_hooks.plan.planner.plan` on the tensors in ready order,
   with ready times measured from the start of backward (``none`` for default/wfbp/priority:
   one group per tensor). ``mgwfbp`` and ``optimal`` need a cost model: ``cost_model`` or, when
-  None, :func:`calibrate_model` (what ``python -m imerge_hooks.calibrate`` would measure on
+  None, :func:`calibrate_model` (what ``python -m imerge_hooks.plan.calibrate`` would measure on
   the simulated cluster); ``mgwfbp`` gets the alpha-beta line fitted to a PSModel's table,
   as ``replan`` does. ``optimal`` (adaptive-ps, imerge) also searches, as the engine does
-  (:mod:`imerge_hooks.plansearch`): each candidate plan is simulated on this model and
+  (:mod:`imerge_hooks.plan.search`): each candidate plan is simulated on this model and
   cluster and the fastest is kept (``plan_search=False``: the DP's plan alone).
 * **Keys and placement.** ``priority``/``imerge`` cut each group into keys of at most
   ``partition_bytes`` (by bytes; the runtime cuts by elements, the same for 4-byte floats and
@@ -43,7 +43,7 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   posting a push and handling a result each take it that long, in the order they come (a push
   flows only once posted; a result counts, and returns its window, only once handled).
   Partitioned schedules also keep at most ``result_window_bytes`` of pushes whose results
-  have not come back, with the runtime's own :class:`~imerge_hooks.flowcontrol.ReadyQueue`
+  have not come back, with the runtime's own :class:`~imerge_hooks.schedule.ReadyQueue`
   (which may push an earlier key of the order all workers share instead; no backstop timer).
 * **Network: fluid, max-min fair (processor sharing).** Every host has an egress and an
   ingress link of ``bandwidth_Bps`` (workers: push out / pull in; servers: push in / result
@@ -94,13 +94,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import RESULT_WINDOW_BYTES, SCHEDULE_TRAITS, SCHEDULES, TAIL_CREDIT_BYTES
-from .costmodel import CostModel, LinearModel, PSModel
-from .flowcontrol import ReadyQueue, SendWindows, tail_start_group
-from .planner import Plan, plan
-from .plansearch import candidate_plans, searched_plan
+from .plan.costmodel import CostModel, LinearModel, PSModel
+from .plan.planner import Plan, plan
+from .plan.search import candidate_plans, searched_plan
+from .schedule import ReadyQueue, SendWindows, tail_start_group
 
 _MiB = 1 << 20
-# Sizes that calibrate_model "measures" (the grid of imerge_hooks.calibrate: 1 KiB .. 64 MiB).
+# Sizes that calibrate_model "measures" (the grid of imerge_hooks.plan.calibrate: 1 KiB .. 64 MiB).
 CALIBRATION_GRID = tuple(1024 * 4 ** i for i in range(9))
 EVENT_KINDS = ("forward", "backward", "push", "pull", "wait", "update")
 
@@ -874,7 +874,7 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
 
 # ---------------------------------------------------------------------------------- public API
 def calibrate_model(cluster: ClusterSpec, sizes: Sequence[int] | None = None) -> PSModel:
-    """The PSModel ``imerge_hooks.calibrate`` would measure on the simulated cluster.
+    """The PSModel ``imerge_hooks.plan.calibrate`` would measure on the simulated cluster.
 
     Every worker pushes and pulls m bytes at once, cut into one key per server (as the real
     calibration), for m on ``sizes`` (default :data:`CALIBRATION_GRID`); T(m) is the time until
@@ -959,7 +959,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     the schedule's planner (lists of tensor indices in registration order, in send order,
     every tensor exactly once); the schedule's other traits still apply. ``plan_search``: as
     ``Config.plan_search``, the ``optimal`` planner (adaptive-ps, imerge) simulates its
-    candidate plans (:mod:`imerge_hooks.plansearch`) and keeps the fastest, as the engine
+    candidate plans (:mod:`imerge_hooks.plan.search`) and keeps the fastest, as the engine
     does; False: the DP's plan alone. See the module doc for the model.
     """
     if schedule not in SCHEDULE_TRAITS:

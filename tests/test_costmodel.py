@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from imerge_hooks.costmodel import CostModel, LinearModel, PSModel
+from imerge_hooks.plan.costmodel import CostModel, LinearModel, PSModel
 
 KiB, MiB = 1 << 10, 1 << 20
 GRID = [float(KiB * 4**k) for k in range(9)]  # 1 KiB .. 64 MiB

@@ -17,7 +17,7 @@ import torch
 from mpirun import run_mpi
 
 from imerge_hooks.server import CLOCK_JUMP_S, Server, _KeyState, _Receive
-from imerge_hooks.transport import KeySpec
+from imerge_hooks.wire import KeySpec
 
 SCRIPT = Path(__file__).parent / "scripts" / "kill_rank.py"
 

@@ -1,4 +1,4 @@
-"""Credit and result window (imerge_hooks.flowcontrol), alone and inside the simulator."""
+"""Credit and result window (imerge_hooks.schedule), alone and inside the simulator."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from imerge_hooks.costmodel import LinearModel
-from imerge_hooks.flowcontrol import ReadyQueue, SendWindows, tail_start_group
+from imerge_hooks.plan.costmodel import LinearModel
+from imerge_hooks.schedule import ReadyQueue, SendWindows, tail_start_group
 from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
 
 MiB = 1 << 20

@@ -4,7 +4,7 @@ import pytest
 
 from imerge_hooks import runtime
 from imerge_hooks.errors import IMergeConfigError
-from imerge_hooks.transport import KeySpec
+from imerge_hooks.wire import KeySpec
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def test_too_many_keys_are_refused_with_the_reason(small_tag_space):
 
 def test_capacity_keeps_every_tag_within_the_standard_tag_bound():
     from imerge_hooks._mpi import MPI
-    from imerge_hooks.transport import ROUND_TAGS, key_tag
+    from imerge_hooks.wire import ROUND_TAGS, key_tag
 
     if MPI.Is_initialized():
         pytest.skip("MPI is initialised in this process: the capacity follows its own MPI_TAG_UB")

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from imerge_hooks.costmodel import LinearModel, PSModel
-from imerge_hooks.planner import METHODS, Plan, plan, simulate_fifo
+from imerge_hooks.plan.costmodel import LinearModel, PSModel
+from imerge_hooks.plan.planner import METHODS, Plan, plan, simulate_fifo
 
 KiB, MiB = 1 << 10, 1 << 20
 LINEAR = LinearModel(alpha=2e-4, beta=1e-9)  # ~1 GB/s, 200 us startup

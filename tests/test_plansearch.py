@@ -7,10 +7,10 @@ import math
 import pytest
 
 from imerge_hooks.config import Config
-from imerge_hooks.costmodel import LinearModel, PSModel
-from imerge_hooks.planchoice import choose_plan, cluster_for, model_spec_from_profile, search_plan
-from imerge_hooks.planner import plan
-from imerge_hooks.plansearch import MIN_PARTITION_BYTES, PARTITION_TOLERANCE, StartupScaled, partition_sizes, search
+from imerge_hooks.plan.choice import choose_plan, cluster_for, model_spec_from_profile, search_plan
+from imerge_hooks.plan.costmodel import LinearModel, PSModel
+from imerge_hooks.plan.planner import plan
+from imerge_hooks.plan.search import MIN_PARTITION_BYTES, PARTITION_TOLERANCE, StartupScaled, partition_sizes, search
 from imerge_hooks.simulate import simulate
 
 KiB, MiB = 1 << 10, 1 << 20

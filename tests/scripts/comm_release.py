@@ -16,9 +16,9 @@ from common import say
 
 import imerge_hooks
 from imerge_hooks import runtime
-from imerge_hooks.layout import Group
-from imerge_hooks.scheduler import SchedulePolicy
-from imerge_hooks.transport import KeySpec
+from imerge_hooks.group import Group
+from imerge_hooks.schedule import SchedulePolicy
+from imerge_hooks.wire import KeySpec
 
 imerge_hooks.init()
 topo = runtime.topology()

@@ -17,7 +17,7 @@ from common import say
 
 import imerge_hooks
 from imerge_hooks import runtime
-from imerge_hooks.transport import KeySpec, as_mpi_buffer, key_tag
+from imerge_hooks.wire import KeySpec, as_mpi_buffer, key_tag
 
 imerge_hooks.init()
 topo = runtime.topology()

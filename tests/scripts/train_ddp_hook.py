@@ -51,5 +51,6 @@ for step in range(args.steps):
 if rank == 0:
     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
 if state is not None:
-    say(rank, "KEYBYTES", sum(k.nbytes for g in state.groups.values() for k in g.keys))
+    say(rank, "KEYBYTES", sum(k.nbytes for g in state.engine.groups for k in g.keys))
+    say(rank, "GROUPS", len(state.engine.groups), "BUCKETS", len(state.signature))
 say(rank, "done")

@@ -45,11 +45,35 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import Config
 
 log = logging.getLogger("imerge")
 
 SharedOrder = tuple[int, int, int]  # (group priority or 0, group submission number, slot)
+
+
+@dataclass
+class SchedulePolicy:
+    """How one engine's groups are pushed: the comm thread reads it, the simulator mirrors it."""
+
+    priority: bool = False
+    stagger: bool = False
+    credit_bytes: int | None = None  # None: unlimited
+    result_window_bytes: int | None = None  # None: unlimited
+    tail_credit_bytes: int | None = None  # None: no tail credit
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> SchedulePolicy:
+        """The one rule from a schedule's traits to its push policy (every front end uses it)."""
+        traits = cfg.traits
+        return cls(priority=traits.priority, stagger=traits.stagger,
+                   credit_bytes=cfg.credit_bytes if traits.partition else None,
+                   result_window_bytes=cfg.result_window_bytes if traits.partition else None,
+                   tail_credit_bytes=cfg.tail_credit_bytes if traits.tail_credit else None)
 
 
 class SendWindows:

@@ -6,7 +6,7 @@ to a higher-priority one at partition granularity). With ``stagger`` worker r st
 group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
 (at least one push always is; credit returns when a push is delivered; ``tail_credit_bytes``
 for other keys while the plan's urgent last group is due) and at most
-``result_window_bytes`` wait for their results (``flowcontrol``). Errors are kept and re-raised
+``result_window_bytes`` wait for their results (``schedule``). Errors are kept and re-raised
 in the thread that waits.
 """
 
@@ -22,25 +22,16 @@ from dataclasses import dataclass
 
 from ._mpi import MPI
 from .errors import IMergeError, IMergeTimeoutError
-from .flowcontrol import ReadyQueue, SendWindows, SharedOrder
-from .layout import Group
+from .group import Group
 from .polling import Backoff
-from .transport import TAG_ERROR, PendingRequests, key_tag
+from .schedule import ReadyQueue, SchedulePolicy, SendWindows, SharedOrder
+from .wire import TAG_ERROR, PendingRequests, key_tag
 
 log = logging.getLogger("imerge")
 
 # A worker gives up on a push this much later than ``timeout_s``: the server, which knows which
 # worker it still waits for, then aborts the job first and names that worker.
 SERVER_FIRST_S = 3.0
-
-
-@dataclass
-class SchedulePolicy:
-    priority: bool = False
-    stagger: bool = False
-    credit_bytes: int | None = None  # None: unlimited
-    result_window_bytes: int | None = None  # None: unlimited
-    tail_credit_bytes: int | None = None  # None: no tail credit (flowcontrol)
 
 
 @dataclass

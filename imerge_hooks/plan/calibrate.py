@@ -2,7 +2,7 @@
 
 Every worker pushes and pulls m bytes at the same time (the m bytes cut into one key per
 server), for m on a log-spaced grid; the time of a size is the slowest worker's median.
-``python -m imerge_hooks.calibrate`` runs it under mpiexec and prints the table.
+``python -m imerge_hooks.plan.calibrate`` runs it under mpiexec and prints the table.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import time
 
 import torch
 
-from . import polling, runtime
+from .. import polling, runtime
+from ..group import Group
+from ..layout import Placement
+from ..schedule import SchedulePolicy
+from ..wire import KeySpec
 from .costmodel import PSModel
-from .layout import Group, Placement
-from .scheduler import SchedulePolicy
-from .transport import KeySpec
 
 log = logging.getLogger("imerge")
 
@@ -108,7 +109,7 @@ def load_or_calibrate() -> PSModel:
         return PSModel.from_dict(cached)
     if not cfg.calibrate:
         raise RuntimeError(f"IMerge: no cached PS cost model at {path} and calibrate=False; run "
-                           "`mpiexec ... python -m imerge_hooks.calibrate` first")
+                           "`mpiexec ... python -m imerge_hooks.plan.calibrate` first")
     start = time.perf_counter()
     model = measure()
     if topo.worker_rank == 0:

@@ -1,6 +1,6 @@
 """Pick a fusion plan by simulating candidates, not by the one-channel DP alone.
 
-Why: the ``optimal`` DP (:mod:`imerge_hooks.planner`) is exact for ONE FIFO channel that
+Why: the ``optimal`` DP (:mod:`imerge_hooks.plan.planner`) is exact for ONE FIFO channel that
 pays the measured startup ``a(W)`` per message. The runtime is not one channel: keys go
 to S servers and many are in flight at once (credit window), so startups overlap and a
 plan fused for the FIFO model can be slower than sending tensors as they are ready

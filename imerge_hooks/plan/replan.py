@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from . import runtime
+from .. import runtime
+from ..schedule import tail_start_group
+from .choice import choose_plan
 from .costmodel import CostModel, LinearModel
-from .flowcontrol import tail_start_group
-from .planchoice import choose_plan
 from .planner import Plan
 from .profiler import Profile, Profiler
 

@@ -1,8 +1,8 @@
 """The plan the engine installs: the profiled model as a simulator spec, each candidate plan of
-:mod:`imerge_hooks.plansearch` scored by :func:`imerge_hooks.simulate.simulate` with the
+:mod:`imerge_hooks.plan.search` scored by :func:`imerge_hooks.simulate.simulate` with the
 schedule's own traits, the fastest kept.
 
-The search rules (candidates, ties, partition sizes) are :mod:`imerge_hooks.plansearch`'s,
+The search rules (candidates, ties, partition sizes) are :mod:`imerge_hooks.plan.search`'s,
 which the simulator also uses when it plans; this module is where the engine's profile and
 cost model meet the simulator.
 """
@@ -13,11 +13,11 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from .config import Config
+from ..config import Config
+from ..simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
 from .costmodel import CostModel, LinearModel, PSModel
 from .planner import Plan, plan
-from .plansearch import Candidate, candidate_plans, searched_plan
-from .simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
+from .search import Candidate, candidate_plans, searched_plan
 
 log = logging.getLogger("imerge")
 
