@@ -209,7 +209,7 @@ def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidt
 def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scale: float,
                 cost_model) -> dict | None:
     """The plan the engine's replan would install for a searched schedule (adaptive-ps, imerge):
-    the plan search on the cluster the calibrated cost model describes (``planchoice.cluster_for``,
+    the plan search on the cluster the calibrated cost model describes (``plan.choice.cluster_for``,
     as ``choose_plan`` does), not on the cluster being predicted. None for the other schedules
     (their plans do not depend on the cluster) or without a calibrated model."""
     from imerge_hooks.config import SCHEDULE_TRAITS

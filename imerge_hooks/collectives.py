@@ -6,13 +6,12 @@ path); these raise ``IMergeTimeoutError`` naming the ranks that did not arrive.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ._mpi import MPI
 from .errors import IMergeTimeoutError
 from .failure import record_fatal, whoami
-from .polling import Backoff
+from .polling import DeadlineWait
 from .wire import TAG_COLLECTIVE
 
 _default_timeout_s = 600.0
@@ -67,19 +66,18 @@ def wait_for(comm: MPI.Comm, sources: list[int], sends: dict[int, MPI.Request], 
            timeout_s: float | None, ranks: str, spin_s: float | None = None) -> dict[int, Any]:
     """One pickled message from each of ``sources`` and the end of each send (by destination),
     polled with back-off; at the deadline IMergeTimeoutError naming the ranks still missing."""
-    limit = _default_timeout_s if timeout_s is None else timeout_s
-    deadline = time.monotonic() + limit
-    waiting, got, backoff = list(sources), {}, Backoff(spin_s)
+    wait = DeadlineWait(_default_timeout_s if timeout_s is None else timeout_s, spin_s)
+    waiting, got = list(sources), {}
     while waiting or sends:
         if _receive_arrived(comm, waiting, tag, got) | _retire_sends(sends):
-            backoff.reset()
-        elif time.monotonic() > deadline:
+            wait.reset()
+        elif wait.expired():
             missing = sorted(set(waiting) | set(sends))
             raise record_fatal(IMergeTimeoutError(
-                f"{whoami()}: {what} did not complete within {limit:.0f} s: {ranks}(s) {missing} did not arrive "
-                "(dead, stuck, or on another code path)"))
+                f"{whoami()}: {what} did not complete within {wait.limit_s:.0f} s: {ranks}(s) {missing} did not "
+                "arrive (dead, stuck, or on another code path)"))
         else:
-            backoff.idle()
+            wait.idle()
     return got
 
 

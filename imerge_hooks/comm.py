@@ -24,7 +24,7 @@ from ._mpi import MPI
 from .errors import IMergeError, IMergeTimeoutError
 from .group import Group
 from .polling import Backoff
-from .schedule import ReadyQueue, SchedulePolicy, SendWindows, SharedOrder
+from .schedule import ReadyQueue, SchedulePolicy, SendWindows, SharedOrder, key_slots, shared_order
 from .wire import TAG_ERROR, PendingRequests, key_tag
 
 log = logging.getLogger("imerge")
@@ -38,7 +38,7 @@ SERVER_FIRST_S = 3.0
 class _Task:
     group: Group
     slot: int  # index into group.keys
-    order: SharedOrder  # the key's place in the order every worker shares (flowcontrol)
+    order: SharedOrder  # the key's place in the order every worker shares (schedule)
 
     @property
     def nbytes(self) -> int:
@@ -202,7 +202,7 @@ class CommThread:
         for op in sends.completed():
             # Credit comes back when the push is delivered, not when the result is: the
             # server always drains pushes, so credit never waits on another worker (the
-            # result window does, with the rule in flowcontrol that keeps it deadlock-free).
+            # result window does, with the rule in schedule.py that keeps it deadlock-free).
             op.send_done = True
             windows.delivered(op.task.nbytes)
             if op.task.group.urgent:
@@ -234,11 +234,7 @@ class CommThread:
             self._wake.clear()
 
     def _expand(self, group: Group, policy: SchedulePolicy, ready: ReadyQueue) -> None:
-        slots = list(range(len(group.keys)))
-        if policy.stagger and self.num_servers > 1 and len(slots) > 1:
-            want = self.rank % self.num_servers
-            first = next((i for i in slots if group.keys[i].server == want), 0)
-            slots = slots[first:] + slots[:first]
+        slots = key_slots([k.server for k in group.keys], self.rank, self.num_servers, policy.stagger)
         self._remaining[id(group)] = len(slots)
         self._active[id(group)] = group
         if not slots:
@@ -247,7 +243,7 @@ class CommThread:
         prio = group.priority if policy.priority else 0
         number = next(self._seq)  # groups arrive in the same order on every worker
         for slot in slots:
-            task = _Task(group, slot, (prio, number, slot))
+            task = _Task(group, slot, shared_order(prio, number, slot))
             ready.add(task, task.nbytes, prio, task.order, group.urgent)
 
     def _start(self, task: _Task) -> _InFlight:

@@ -27,7 +27,7 @@ class ScheduleTraits:
 
     @property
     def tail_credit(self) -> bool:
-        """Planned, partitioned, prioritised (imerge): the plan's last group is urgent (flowcontrol)."""
+        """Planned, partitioned, prioritised (imerge): the plan's last group is urgent (schedule)."""
         return self.planner != "none" and self.partition and self.priority
 
 
@@ -56,10 +56,10 @@ class Config:
     partition_bytes: int = 4 * _MiB
     credit_bytes: int = 8 * _MiB  # A/B of other sizes: benchmarks/run.py --alternate credit_bytes=...
     fusion_threshold_bytes: int = 25 * _MiB
-    # None: off; it did not pay on the emulated cluster (benchmarks/run.py --alternate; see flowcontrol)
+    # None: off; it did not pay on the emulated cluster (benchmarks/run.py --alternate; see schedule.py)
     result_window_bytes: int | None = RESULT_WINDOW_BYTES
     # Partitioned, planned schedules (imerge): while the next forward's first gradients are due,
-    # other keys in flight are held to this (flowcontrol, "tail credit"). None: off.
+    # other keys in flight are held to this (schedule, "tail credit"). None: off.
     tail_credit_bytes: int | None = TAIL_CREDIT_BYTES
     profile_steps: int = 10
     overlap_forward: bool | None = None  # None: as the schedule says
@@ -71,7 +71,7 @@ class Config:
     calibrate: bool = True  # measure a PS model at start-up when none is cached
     timeline: str | None = None
     compression: str = "none"  # none | fp16 | bf16
-    plan_search: bool = True  # optimal planner: score candidate plans with the simulator (plansearch.py)
+    plan_search: bool = True  # optimal planner: score candidate plans with the simulator (plan/search.py)
     polling: str = "auto"  # auto | spin | yield: how idle comm threads and servers wait (see polling.py)
     # While workers have joined (imerge_hooks.join()): "workers" divides every sum by the number of
     # workers (their missing pushes count as zeros: Horovod, DDP's Join), "active" by those that pushed.

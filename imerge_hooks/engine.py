@@ -164,7 +164,7 @@ class GradientEngine:
 
         ``partition_bytes``: the key size limit of partitioned schedules from now on (the plan
         search may choose one); None keeps the current one. ``tail_group``: the group whose
-        submission starts the tail credit (``flowcontrol.tail_start_group``; None: no tail). Must
+        submission starts the tail credit (``schedule.tail_start_group``; None: no tail). Must
         be called on every worker at
         the same iteration boundary (it registers a new plan epoch with the servers, a
         collective step).

@@ -92,3 +92,17 @@ class Placement:
 def names_in_range(spans: list[tuple[str, int, int]], start: int, end: int) -> tuple[str, ...]:
     """Names of tensors whose [offset, offset+numel) overlaps [start, end)."""
     return tuple(name for name, off, n in spans if off < end and off + n > start)
+
+
+CALIBRATION_GRID = tuple(1024 * 4 ** i for i in range(9))  # 1 KiB .. 64 MiB: the measured PS cost table
+
+
+def calibration_keys(nbytes: int, num_servers: int) -> list[tuple[int, int, int]]:
+    """How the cost model's calibration sends ``nbytes`` of float32: one equal key per server,
+    as (start, end, server) element ranges. The real calibration and the simulated one use this."""
+    numel = max(1, nbytes // 4)
+    per = -(-numel // num_servers)
+    placement = Placement(num_servers)
+    return [(start, min(numel, start + per), placement.place((min(numel, start + per) - start) * 4))
+            for start in range(0, numel, per)]
+

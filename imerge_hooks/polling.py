@@ -79,3 +79,25 @@ class Backoff:
         cap = max(self.max_sleep_s, min(MAX_SLEEP_LONG_S, LATE_FRACTION * max(idle_s, waited_s)))
         self._sleep = min(cap, max(20e-6, self._sleep * 2))
         self._nap(self._sleep)
+
+
+class DeadlineWait(Backoff):
+    """A polled wait with a deadline, the shape of every bounded wait of the control plane::
+
+        wait = DeadlineWait(timeout_s)
+        while not done:
+            if poll_found_something():
+                wait.reset()
+            elif wait.expired():
+                raise IMergeTimeoutError(...)  # naming who is missing
+            else:
+                wait.idle()
+    """
+
+    def __init__(self, limit_s: float, spin_s: float | None = None) -> None:
+        super().__init__(spin_s)
+        self.limit_s = limit_s
+        self.deadline = time.monotonic() + limit_s
+
+    def expired(self, now: float | None = None) -> bool:
+        return (time.monotonic() if now is None else now) > self.deadline

@@ -19,7 +19,7 @@ from .comm import CommThread
 from .config import PROCESS_OPTIONS, Config
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .failure import abort, fatal_error, install_excepthooks, record_fatal, set_identity, whoami
-from .polling import Backoff
+from .polling import DeadlineWait
 from .topology import Topology, build_topology
 from .wire import (
     KEY_TAG_BASE,
@@ -331,17 +331,16 @@ def _recv_with_timeout(comm: MPI.Comm, source: int, tag: int, what: str, fatal: 
     A matched probe, not ``irecv``: mpi4py's ``irecv`` without a buffer truncates messages
     over 32 KiB (a server's timeline, a large plan). ``fatal``: the timeout means a server is
     gone or stuck, so ``shutdown()`` aborts the job rather than wait for it in MPI_Finalize."""
-    deadline = time.monotonic() + config().timeout_s
-    backoff = Backoff()
+    wait = DeadlineWait(config().timeout_s)
     while True:
         message = comm.improbe(source=source, tag=tag)
         if message is not None:
             return message.recv()
-        if time.monotonic() > deadline:
+        if wait.expired():
             error = IMergeTimeoutError(f"IMerge worker {topology().worker_rank}: waited {config().timeout_s:.0f} s for "
                                        f"{what}; some worker did not reach the same point, or a server is gone")
             raise record_fatal(error) if fatal else error
-        backoff.idle()
+        wait.idle()
 
 
 def from_worker0(value: Any, what: str) -> Any:
@@ -361,14 +360,13 @@ def from_worker0(value: Any, what: str) -> Any:
         # Not fatal: nothing is left pending, and worker 0 may only be on another code path.
         return _recv_with_timeout(comm, 0, TAG_DECISION, f"{what} from worker 0", fatal=False)
     requests = [comm.isend(value, dest=r, tag=TAG_DECISION) for r in range(1, topo.num_workers)]
-    deadline = time.monotonic() + config().timeout_s
-    backoff = Backoff()
+    wait = DeadlineWait(config().timeout_s)
     while requests:
         requests = [r for r in requests if not r.test()[0]]
-        if requests and time.monotonic() > deadline:
+        if requests and wait.expired():
             raise record_fatal(IMergeTimeoutError(f"IMerge worker 0: {len(requests)} worker(s) did not take {what} "
-                                                  f"within {config().timeout_s:.0f} s"))
-        backoff.idle()
+                                                  f"within {wait.limit_s:.0f} s"))
+        wait.idle()
     return value
 
 
@@ -412,8 +410,8 @@ def _wait_until_all_joined(topo: Topology) -> int:
     Such a message is an error unless the servers' answers follow within ``JOIN_GRACE_S`` (a
     worker that was told first may already be in the collective that ends ``join()``).
     """
-    deadline = time.monotonic() + config().timeout_s
-    waiting, last, backoff = list(range(topo.num_servers)), -1, Backoff()
+    wait = DeadlineWait(config().timeout_s)
+    waiting, last = list(range(topo.num_servers)), -1
     stray_since: float | None = None
     while waiting:
         for server in list(waiting):
@@ -424,7 +422,7 @@ def _wait_until_all_joined(topo: Topology) -> int:
                     raise record_fatal(IMergeUsageError(f"{whoami()}: join(): {reply['message']}"))
                 last = reply.get("last", last)
                 waiting.remove(server)
-                backoff.reset()
+                wait.reset()
         stray = _collective_sender(topo.worker_comm)
         now = time.monotonic()
         if stray is not None and len(waiting) == topo.num_servers:
@@ -435,11 +433,11 @@ def _wait_until_all_joined(topo: Topology) -> int:
                     "that needs every worker (a plan change at the end of profile_steps, a broadcast, "
                     "calibration): workers must not change plans or run collectives while another has joined; make "
                     "profile_steps smaller than the shortest worker's number of steps"))
-        if now > deadline:
+        if wait.expired(now):
             raise record_fatal(IMergeTimeoutError(
-                f"{whoami()}: waited {config().timeout_s:.0f} s in join() for server(s) {waiting} to report that "
+                f"{whoami()}: waited {wait.limit_s:.0f} s in join() for server(s) {waiting} to report that "
                 "every worker joined: every worker must call imerge_hooks.join() when its data ends"))
-        backoff.idle()
+        wait.idle()
     return last
 
 

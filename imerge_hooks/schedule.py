@@ -56,6 +56,23 @@ log = logging.getLogger("imerge")
 SharedOrder = tuple[int, int, int]  # (group priority or 0, group submission number, slot)
 
 
+def key_slots(servers: Sequence[int], worker: int, num_servers: int, stagger: bool) -> list[int]:
+    """The order worker ``worker`` pushes a group's keys (slot indices; ``servers[i]`` is slot i's
+    server): slot order, rotated with ``stagger`` to start at server ``worker % num_servers``."""
+    slots = list(range(len(servers)))
+    if stagger and num_servers > 1 and len(slots) > 1:
+        want = worker % num_servers
+        first = next((i for i in slots if servers[i] == want), 0)
+        slots = slots[first:] + slots[:first]
+    return slots
+
+
+def shared_order(priority: int, submission: int, slot: int) -> SharedOrder:
+    """A key's place in the order every worker shares: (group priority or 0, the group's
+    submission number on this worker, slot). Groups are submitted in the same order everywhere."""
+    return (priority, submission, slot)
+
+
 @dataclass
 class SchedulePolicy:
     """How one engine's groups are pushed: the comm thread reads it, the simulator mirrors it."""
@@ -214,3 +231,11 @@ def tail_start_group(group_ready_s: Sequence[float], window_s: float) -> int | N
         return None
     last = group_ready_s[-1]
     return next(g for g, ready in enumerate(group_ready_s) if last - ready <= window_s)
+
+
+def tail_group(groups: Sequence[Sequence[int]], ready_s: Sequence[float], cost_model: Any,
+               credit_bytes: int) -> int | None:
+    """The group of a plan whose submission starts the tail: :func:`tail_start_group` over each
+    group's ready time (its last tensor's) with one credit's round trip under ``cost_model``."""
+    return tail_start_group([max(ready_s[i] for i in g) for g in groups], float(cost_model.time(credit_bytes)))
+

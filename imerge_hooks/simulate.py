@@ -94,14 +94,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import RESULT_WINDOW_BYTES, SCHEDULE_TRAITS, SCHEDULES, TAIL_CREDIT_BYTES
-from .plan.costmodel import CostModel, LinearModel, PSModel
+from .layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
+from .plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from .plan.planner import Plan, plan
 from .plan.search import candidate_plans, searched_plan
-from .schedule import ReadyQueue, SendWindows, tail_start_group
+from .schedule import ReadyQueue, SendWindows, key_slots, shared_order, tail_group
+from .timeline import dump_trace, lane_metadata, span_event, track_metadata
 
 _MiB = 1 << 20
 # Sizes that calibrate_model "measures" (the grid of imerge_hooks.plan.calibrate: 1 KiB .. 64 MiB).
-CALIBRATION_GRID = tuple(1024 * 4 ** i for i in range(9))
 EVENT_KINDS = ("forward", "backward", "push", "pull", "wait", "update")
 
 # Events closer than this (seconds) count as simultaneous: they are handled as one batch before
@@ -244,15 +245,18 @@ class ClusterSpec:
             raise ValueError(f"IMerge simulate: ClusterSpec.fabric_Bps must be None or a finite number > 0, got {v!r}")
 
     @classmethod
-    def from_psmodel(cls, model: PSModel, time_scale: float = 1.0) -> ClusterSpec:
-        """The cluster whose :func:`calibrate_model` gives ``model``'s fit (``a``, ``bandwidth``).
+    def from_psmodel(cls, model: PSModel, time_scale: float = 1.0, workers: int | None = None,
+                     servers: int | None = None) -> ClusterSpec:
+        """The cluster whose :func:`calibrate_model` gives ``model``'s fit (``a``, ``bandwidth``);
+        ``workers``/``servers``: the same links and startup for another job size (default: the model's).
 
         In the simulator the calibration pattern costs ``T(m) = W*startup + 2*max(W/S, 1)*m/B``
         (W serial startups; push then result, each limited by the busier side), so
         ``startup_s = a / W`` and ``bandwidth_Bps = 2 * bandwidth * max(1, S/W)``. For a table
         measured on a real cluster this is the simulator's best reading of it.
         """
-        w, s = model.workers, model.servers
+        w = model.workers if workers is None else workers
+        s = model.servers if servers is None else servers
         return cls(workers=w, servers=s, bandwidth_Bps=2.0 * model.bandwidth * max(1.0, s / w),
                    startup_s=model.a / w, time_scale=time_scale)
 
@@ -326,8 +330,7 @@ class SimResult:
         lane_order = ["compute", "push", "update", "pull"]
         trace: list[dict[str, Any]] = []
         for track, pid in pid_of.items():
-            trace.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": track}})
-            trace.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+            trace += track_metadata(pid, track, pid)
         by_lane: dict[tuple[str, str], list[Event]] = {}
         for e in self.timeline:
             by_lane.setdefault((e.track, lane_kind.get(e.kind, e.kind)), []).append(e)
@@ -345,22 +348,13 @@ class SimResult:
                     ends[lane] = e.end
                     lanes.append(lane)
                 for i in range(len(ends)):
-                    trace.append({"ph": "M", "name": "thread_name", "pid": pid_of[track], "tid": tid + i,
-                                  "args": {"name": kind if i == 0 else f"{kind} {i}"}})
+                    trace.append(lane_metadata(pid_of[track], tid + i, kind if i == 0 else f"{kind} {i}"))
                 for e, lane in zip(events, lanes):
-                    item: dict[str, Any] = {"ph": "X", "name": e.name, "cat": e.kind, "pid": pid_of[track],
-                                            "tid": tid + lane, "ts": e.start * 1e6,
-                                            "dur": max(0.0, e.end - e.start) * 1e6}
-                    if e.nbytes:
-                        item["args"] = {"bytes": e.nbytes}
-                    trace.append(item)
+                    trace.append(span_event(e.name, e.kind, pid_of[track], tid + lane, e.start, e.end,
+                                            {"bytes": e.nbytes} if e.nbytes else None))
                 tid += len(ends)
-        directory = os.path.dirname(os.path.abspath(os.fspath(path)))
-        os.makedirs(directory, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
-                       "otherData": {"schedule": self.schedule, "iteration_s": self.iteration_s,
-                                     "throughput": self.throughput}}, f)
+        dump_trace(path, trace, {"schedule": self.schedule, "iteration_s": self.iteration_s,
+                                 "throughput": self.throughput})
 
 
 # ---------------------------------------------------------------------------------- engine
@@ -391,7 +385,8 @@ class _Worker:
     ptr: int = 0
     ready: ReadyQueue = field(default_factory=ReadyQueue)
     windows: SendWindows = field(default_factory=lambda: SendWindows(None, None))
-    key_order: dict = field(default_factory=dict)  # key -> its group's shared order (flowcontrol)
+    key_order: dict = field(default_factory=dict)  # key -> its shared order (schedule.shared_order)
+    submitted: int = 0  # groups submitted so far (the shared order's submission number)
     missing: set = field(default_factory=set)  # groups the current gate still waits for
     wait_start: float = 0.0
     op_start: float = 0.0
@@ -459,10 +454,10 @@ class _Sim:
         ops += [(_GATE, 0, iterations), (_MARK, 0, iterations)]
         self.ops = ops
         W = workers
-        # No backstop timer in simulated time: flowcontrol's rule alone is deadlock-free.
+        # No backstop timer in simulated time: schedule's rule alone is deadlock-free.
         self.workers = [_Worker(windows=SendWindows(credit, result_window, escape_s=math.inf,
                                                     tail_credit_bytes=tail_credit)) for _ in range(W)]
-        # Tail credit (flowcontrol): submitting tail_group starts the tail, the last group is urgent.
+        # Tail credit (schedule): submitting tail_group starts the tail, the last group is urgent.
         self.tail_group = tail_group if tail_credit is not None else None
         self.urgent_group = G - 1 if self.tail_group is not None else -1
         self.arrived = [[0] * G for _ in range(W)]
@@ -589,19 +584,17 @@ class _Sim:
             self._group_done(r, g)
             return
         self.pending[r][g] = len(keys)
-        slots = list(range(len(keys)))
-        if self.stagger and self.S > 1 and len(keys) > 1:
-            want = r % self.S
-            first = next((i for i, k in enumerate(keys) if self.key_server[k] == want), 0)
-            slots = slots[first:] + slots[:first]
+        slots = key_slots([self.key_server[k] for k in keys], r, self.S, self.stagger)
         prio = self.group_prio[g] if self.priority else 0
         w = self.workers[r]
+        number = w.submitted
+        w.submitted += 1
         if g == self.tail_group:
             w.windows.begin_tail(len(self.group_keys[self.urgent_group]))
         urgent = g == self.urgent_group
         for slot in slots:
             k = keys[slot]
-            w.key_order[k] = order = (prio, g, slot)  # groups are submitted in plan order everywhere
+            w.key_order[k] = order = shared_order(prio, number, slot)
             w.ready.add(k, self.key_bytes[k], prio, order, urgent)
         self._pump(r)
 
@@ -830,8 +823,6 @@ def connection_weight(cv: float, seed: int, epoch: int, worker: int, server: int
 # ---------------------------------------------------------------------------------- layout
 def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int]:
     """Key sizes as ``layout.cut_keys`` makes them (bytes; 4-byte elements assumed)."""
-    from .layout import cut_keys
-
     if nbytes <= 0:
         return []
     ranges = cut_keys(max(1, nbytes // 4), 4, partition_bytes, servers)
@@ -843,8 +834,6 @@ def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int
 def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_bytes: int | None,
             servers: int) -> tuple[list[list[int]], list[KeyInfo]]:
     """Keys of every group (``layout.cut_keys``), placed by ``layout.Placement`` as the engine does."""
-    from .layout import Placement
-
     placement = Placement(servers)
     group_keys: list[list[int]] = []
     keys: list[KeyInfo] = []
@@ -890,10 +879,7 @@ def calibrate_model(cluster: ClusterSpec, sizes: Sequence[int] | None = None) ->
 def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
     times = []
     for m in grid:
-        numel = max(1, m // 4)
-        per = -(-numel // cluster.servers)
-        keys = [KeyInfo(0, (min(numel, s + per) - s) * 4, i % cluster.servers)
-                for i, s in enumerate(range(0, numel, per))]
+        keys = [KeyInfo(0, (end - start) * 4, server) for start, end, server in calibration_keys(m, cluster.servers)]
         sim = _make_sim(fwd=[0.0], bwd=[0.0], layer_names=["calibration"], layer_tensors=[[0]], groups=[[0]],
                         keys=keys, group_keys=[list(range(len(keys)))], cluster=cluster, priority=False,
                         stagger=False, credit=None, push_after_backward=False, overlap=False, iterations=1,
@@ -950,7 +936,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
     ``partition_bytes``/``credit_bytes``/``result_window_bytes`` (None: no window) matter for
     partitioned schedules (priority, imerge),
-    ``tail_credit_bytes`` (None: off) for imerge (``flowcontrol``, tail credit),
+    ``tail_credit_bytes`` (None: off) for imerge (``schedule``, tail credit),
     ``fusion_threshold_bytes`` for ``threshold``. ``cost_model``: what the planner of
     mgwfbp/adaptive-ps/imerge uses (anything with ``.time(nbytes)``); None: the
     :func:`calibrate_model` of ``cluster``. ``overlap_forward``: as ``Config.overlap_forward``
@@ -1000,35 +986,32 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             used_model = cost_model if cost_model is not None else LinearModel(0.0, 0.0)
         else:
             used_model = cost_model if cost_model is not None else calibrate_model(cluster)
-        planner_model = used_model
-        if traits.planner == "mgwfbp" and isinstance(used_model, PSModel):
-            planner_model = LinearModel.fit(used_model.sizes, used_model.times)  # as replan.cost_model_for
+        judged_on = planner_model(traits.planner, used_model)
         if traits.planner == "optimal" and plan_search and len(sizes) > 1:
-            plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, planner_model,
+            plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, judged_on,
                                          partition_bytes=partition_bytes, credit_bytes=credit_bytes,
                                          result_window_bytes=result_window_bytes,
                                          tail_credit_bytes=tail_credit_bytes,
                                          overlap_forward=overlap_forward, iterations=iterations)
         else:
-            plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], planner_model,
+            plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], judged_on,
                                traits.planner, fusion_threshold_bytes=fusion_threshold_bytes)
         groups = [[order[j] for j in g] for g in plan_result.groups]
         if plan_result.partition_bytes is not None:
             partition_bytes = plan_result.partition_bytes
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
-    tail_group = None
+    tail = None
     if tail_credit_bytes is not None and traits.tail_credit:
         tail_model = cost_model if cost_model is not None else used_model
         if tail_model is None:
             tail_model = calibrate_model(cluster)
-        tail_group = tail_start_group([max(ready_at[i] for i in g) for g in groups],
-                                      float(tail_model.time(credit_bytes)))
+        tail = tail_group(groups, ready_at, tail_model, credit_bytes)
     sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
                     priority=traits.priority, stagger=traits.stagger,
                     credit=credit_bytes if traits.partition else None,
                     result_window=result_window_bytes if traits.partition else None,
-                    tail_group=tail_group, tail_credit=tail_credit_bytes,
+                    tail_group=tail, tail_credit=tail_credit_bytes,
                     push_after_backward=traits.push_after_backward,
                     overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
                     iterations=iterations, record=timeline)

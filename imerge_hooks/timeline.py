@@ -50,18 +50,43 @@ class Timeline:
                          torch.nn.modules.module.register_module_forward_hook(post)]
 
     def to_trace(self, pid: int) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": self.track}},
-            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": self.sort_index}},
-        ]
+        out = track_metadata(pid, self.track, self.sort_index)
         threads = sorted({e[4] for e in self.events})
         tids = {t: i for i, t in enumerate(threads)}
         for t, i in tids.items():
-            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": i, "args": {"name": t}})
+            out.append(lane_metadata(pid, i, t))
         for name, cat, start, end, thread in self.events:
-            out.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tids[thread],
-                        "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6})
+            out.append(span_event(name, cat, pid, tids[thread], start, end))
         return out
+
+
+# ---------------------------------------------------------------- Chrome-trace records (also the simulator's)
+def track_metadata(pid: int, name: str, sort_index: int) -> list[dict[str, Any]]:
+    """The records that name a track (a Chrome-trace process) and place it."""
+    return [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}}]
+
+
+def lane_metadata(pid: int, tid: int, name: str) -> dict[str, Any]:
+    """The record that names a lane (a Chrome-trace thread) of a track."""
+    return {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def span_event(name: str, category: str, pid: int, tid: int, start: float, end: float,
+               args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One span, times in seconds (written in microseconds)."""
+    item: dict[str, Any] = {"ph": "X", "name": name, "cat": category, "pid": pid, "tid": tid,
+                            "ts": start * 1e6, "dur": max(0.0, end - start) * 1e6}
+    if args:
+        item["args"] = args
+    return item
+
+
+def dump_trace(path: str | os.PathLike[str], records: list[dict[str, Any]], other: dict[str, Any]) -> None:
+    """Write Chrome-trace JSON (open in https://ui.perfetto.dev)."""
+    os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": records, "displayTimeUnit": "ms", "otherData": other}, f)
 
 
 def write_trace(path: str, timelines: list[dict[str, Any]]) -> None:
@@ -72,12 +97,9 @@ def write_trace(path: str, timelines: list[dict[str, Any]]) -> None:
         tl = Timeline(t["track"], t["sort_index"])
         tl.events = [(n, c, s - origin, e - origin, th) for n, c, s, e, th in t["events"]]
         trace += tl.to_trace(pid)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        # The origin lets other monotonic-clock records of the same host (e.g. the benchmark's
-        # link monitor) be aligned with the trace.
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms",
-                   "otherData": {"monotonic_origin_s": origin}}, f)
+    # The origin lets other monotonic-clock records of the same host (e.g. the benchmark's link
+    # monitor) be aligned with the trace.
+    dump_trace(path, trace, {"monotonic_origin_s": origin})
 
 
 def export(timeline: Timeline) -> dict[str, Any]:

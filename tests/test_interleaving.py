@@ -56,7 +56,7 @@ def test_matches_synchronous_training(tmp_path, env, workers, servers):
 def test_a_result_window_of_one_partition_neither_deadlocks_nor_changes_the_result(tmp_path, env):
     """Workers wait for each other's pushes through the result window; with stagger and priority
     their push orders differ, and a window of one partition is where a careless rule would
-    deadlock (flowcontrol explains why it cannot). The backstop timer must never fire."""
+    deadlock (schedule.py explains why it cannot). The backstop timer must never fire."""
     out = str(tmp_path / "{schedule}-{optimizer}.pt")
     run = run_mpi(SCRIPT, 3 + 2, out, "--schedule", "priority,imerge", "--optimizer", "sgd", "--steps", "6",
                   "--profile-steps", "2", servers=2, env={**env, "IMERGE_RESULT_WINDOW_BYTES": "8192"},

@@ -18,14 +18,14 @@ import torch
 
 from .. import polling, runtime
 from ..group import Group
-from ..layout import Placement
+from ..layout import CALIBRATION_GRID, calibration_keys
 from ..schedule import SchedulePolicy
 from ..wire import KeySpec
 from .costmodel import PSModel
 
 log = logging.getLogger("imerge")
 
-DEFAULT_GRID = [1024 * 4 ** i for i in range(9)]  # 1 KiB .. 64 MiB
+DEFAULT_GRID = list(CALIBRATION_GRID)
 
 
 def _repeats(nbytes: int) -> int:
@@ -40,15 +40,14 @@ def measure(sizes: list[int] | None = None) -> PSModel:
         raise RuntimeError("IMerge: calibration needs at least one server")
     sizes = sorted(sizes or DEFAULT_GRID)
     client = runtime.new_client_id()
-    placement = Placement(topo.num_servers)
     groups, keys = [], []
     for index, nbytes in enumerate(sizes):
         numel = max(1, nbytes // 4)
-        per = -(-numel // topo.num_servers)
-        ranges = [(s, min(numel, s + per)) for s in range(0, numel, per)]
-        ids = runtime.allocate_keys(len(ranges))
-        gkeys = [KeySpec(k, (e - s) * 4, "float32", placement.place((e - s) * 4), (f"calibration.{nbytes}",))
-                 for k, (s, e) in zip(ids, ranges)]
+        cut = calibration_keys(nbytes, topo.num_servers)
+        ranges = [(s, e) for s, e, _ in cut]
+        ids = runtime.allocate_keys(len(cut))
+        gkeys = [KeySpec(k, (e - s) * 4, "float32", server, (f"calibration.{nbytes}",))
+                 for k, (s, e, server) in zip(ids, cut)]
         keys += gkeys
         groups.append(Group(index=index, flat=torch.ones(numel), result=torch.empty(numel), keys=gkeys,
                             key_ranges=ranges, priority=0, names=(f"calibration.{nbytes}",)))

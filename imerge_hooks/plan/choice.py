@@ -56,9 +56,7 @@ def model_spec_from_profile(sizes: Sequence[int], ready: Sequence[float], names:
 def cluster_for(model: CostModel, workers: int, servers: int) -> ClusterSpec | None:
     """The simulated cluster a cost model describes, or None when it describes none."""
     if isinstance(model, PSModel) and model.bandwidth > 0:
-        bandwidth = 2.0 * model.bandwidth * max(1.0, servers / workers)
-        return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth,
-                           startup_s=model.a / workers)
+        return ClusterSpec.from_psmodel(model, workers=workers, servers=servers)
     if isinstance(model, LinearModel) and model.beta > 0:
         return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=2.0 / model.beta,
                            startup_s=model.alpha / workers)

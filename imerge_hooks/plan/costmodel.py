@@ -216,3 +216,12 @@ class PSModel:
     def from_json(cls, path: str | os.PathLike[str]) -> PSModel:
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def planner_model(method: str, model: CostModel) -> CostModel:
+    """The model a planner method judges plans on: MG-WFBP's line fitted to a measured PS table
+    (as its paper assumes alpha + beta*m), every other method the model itself."""
+    if method == "mgwfbp" and isinstance(model, PSModel):
+        return LinearModel.fit(model.sizes, model.times)
+    return model
+

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from .. import runtime
-from ..schedule import tail_start_group
+from ..schedule import tail_group
 from .choice import choose_plan
-from .costmodel import CostModel, LinearModel
+from .costmodel import CostModel, LinearModel, planner_model
 from .planner import Plan
 from .profiler import Profile, Profiler
 
@@ -18,10 +18,7 @@ def cost_model_for(method: str) -> CostModel:
     """The model a planner method is judged on: the measured PS model, or MG-WFBP's line fitted to it."""
     from .calibrate import load_or_calibrate
 
-    ps = load_or_calibrate()
-    if method == "mgwfbp":
-        return LinearModel.fit(ps.sizes, ps.times)
-    return ps
+    return planner_model(method, load_or_calibrate())
 
 
 class Replanner:
@@ -73,8 +70,7 @@ class Replanner:
         cfg = self.engine.cfg
         if not cfg.traits.tail_credit or cfg.tail_credit_bytes is None:
             return None
-        ready = [max(self.profile.ready_times[i] for i in group) for group in groups]
-        return tail_start_group(ready, float(self.model.time(cfg.credit_bytes)))
+        return tail_group(groups, self.profile.ready_times, self.model, cfg.credit_bytes)
 
     def describe(self, order: list[int]) -> str:
         sizes = [self.profile.sizes[i] for i in order]
