@@ -134,7 +134,7 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
             # A/B in one launch, one plan: blocks of two iterations, A B A B ...; every worker
             # switches at the same iteration. Only a block's second iteration is counted (the
             # first may still wait for the other policy's communication).
-            vars(engine.policy).update(policies[((it - warm) // 2) % 2])
+            engine.set_policy(**policies[((it - warm) // 2) % 2])
         if it >= warm:
             starts.append(t)
         opt.zero_grad()
@@ -203,7 +203,7 @@ def _ab_policies(engine, alternate: str | None) -> list[dict] | None:
     """(A, B) SchedulePolicy fields for ``--alternate`` (A: the engine's own), or None."""
     if not alternate or engine.policy.credit_bytes is None:  # only partitioned schedules
         return None
-    a = dict(vars(engine.policy))
+    a = dataclasses.asdict(engine.policy)
     b = dict(a)
     for item in alternate.split(","):
         name, _, value = item.partition("=")

@@ -1,12 +1,17 @@
 """Plain PyTorch DDP with IMerge's parameter-server communication hook.
 
-    mpiexec -n 3 -env IMERGE_NUM_SERVERS 1 python examples/ddp_hook.py --epochs 3
+    mpiexec -n 3 -env IMERGE_NUM_SERVERS 1 python examples/ddp_hook.py --epochs 3 [--checkpoint ckpt.pt]
+
+With ``--checkpoint`` worker 0 saves the model, the optimizer and the hook state after every
+epoch, and a later launch resumes from it (the hook state pickles as PowerSGD's does: its
+settings travel, its communicator and buffers are rebuilt on load).
 
 DDP waits for every bucket before step(), so this path cannot overlap with the next forward
 pass; use imerge_hooks.DistributedOptimizer or the Lightning strategy for the `imerge` schedule.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -22,6 +27,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--schedule", default="wfbp", choices=["default", "wfbp", "priority"])
+    parser.add_argument("--checkpoint", help="save after every epoch; resume from it if it exists")
     args = parser.parse_args()
 
     imh.init()
@@ -36,10 +42,19 @@ def main() -> None:
     model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
                           nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
     ddp = DistributedDataParallel(model, process_group=imh.worker_group())
-    ddp.register_comm_hook(imh.IMergeHookState(schedule=args.schedule, named_parameters=model.named_parameters()),
-                           imh.ps_hook)
+    state = imh.IMergeHookState(schedule=args.schedule, named_parameters=model.named_parameters())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05 * imh.size(), momentum=0.9)
-    for epoch in range(args.epochs):
+    first_epoch = 0
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        saved = torch.load(args.checkpoint, weights_only=False)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        state, first_epoch = saved["hook_state"], saved["epoch"] + 1
+        if imh.rank() == 0:
+            print(f"resumed after epoch {saved['epoch']} (schedule {state.cfg.schedule})", flush=True)
+    ddp.register_comm_hook(state, imh.ps_hook)
+    acc = float("nan")
+    for epoch in range(first_epoch, args.epochs):
         start, seen = time.perf_counter(), 0
         order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))]
         for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
@@ -53,6 +68,9 @@ def main() -> None:
         if imh.rank() == 0:
             print(f"epoch {epoch}: val_acc {acc:.4f}  {seen * imh.size() / (time.perf_counter() - start):.0f} "
                   "samples/s", flush=True)
+            if args.checkpoint:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "hook_state": state,
+                            "epoch": epoch}, args.checkpoint)
     if imh.rank() == 0:
         print(f"RESULT val_acc={acc:.4f}", flush=True)
 

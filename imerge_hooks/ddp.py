@@ -15,14 +15,16 @@ compares the hook's annotations by identity.
 """
 
 import logging
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import runtime
+from .config import SCHEDULE_TRAITS
 from .engine import GradientEngine
-from .errors import IMergeConfigError
+from .errors import IMergeConfigError, IMergeUsageError
 from .group import Group
 from .layout import dtype_name
 
@@ -52,12 +54,20 @@ class IMergeHookState:
     bucket once DDP has handed over the last), ``priority`` (buckets cut into partitions, front
     layers first, credit-bounded), or a planned schedule (``threshold``, ``mgwfbp``,
     ``adaptive-ps``: adjacent buckets merged after ``profile_steps`` profiled iterations).
-    ``named_parameters`` (optional) lets error messages name tensors.
+    ``named_parameters`` (optional) lets error messages name tensors. ``process_group``
+    (optional): DDP's group, checked to be all the workers (the servers average over all of them).
     """
 
-    def __init__(self, schedule: str = "wfbp", named_parameters: Any | None = None, **config: Any) -> None:
+    def __init__(self, schedule: str = "wfbp", named_parameters: Any | None = None,
+                 process_group: Any | None = None, **config: Any) -> None:
         if not runtime.is_initialized():
+            _refuse_world_process_group()
             runtime.init()
+        _check_process_group(process_group)
+        wanted = os.environ.get("IMERGE_SCHEDULE") if schedule is None else schedule
+        if wanted is not None and wanted not in _BUCKET_SCHEDULES and wanted not in SCHEDULE_TRAITS:
+            raise IMergeConfigError(f"IMerge: unknown schedule {wanted!r} for the DDP hook; it supports "
+                                    f"{', '.join(_BUCKET_SCHEDULES)}")
         self.cfg = runtime.engine_config("IMergeHookState", schedule=schedule, **config)
         if self.cfg.schedule not in _BUCKET_SCHEDULES:
             raise IMergeConfigError(
@@ -203,6 +213,32 @@ class IMergeHookState:
             engine.accept(self._tensor(b), self.outstanding[b][0])
         engine.push_remaining()  # buckets the old engine averaged go along as zeros, once
         self.iteration_open = True
+
+
+def _refuse_world_process_group() -> None:
+    """torch.distributed over every MPI rank, then IMerge started here: the last ranks would become
+    servers and never join DDP's collectives, so the workers would hang in them. Refuse at once."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    mpi_world = int(os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or 0)
+    if mpi_world > 1 and world == mpi_world:
+        raise IMergeUsageError(
+            f"IMerge: torch.distributed was initialised over all {world} ranks, but IMerge's last ranks are "
+            "parameter servers and train nothing: call imerge_hooks.init() first (servers serve there) and "
+            "give DDP process_group=imerge_hooks.worker_group()")
+
+
+def _check_process_group(group: Any | None) -> None:
+    """IMerge averages over all workers: a DDP over a subgroup of them would be averaged wrongly."""
+    if group is None:
+        return
+    workers = runtime.topology().num_workers
+    size = dist.get_world_size(group)
+    if size != workers:
+        raise IMergeConfigError(
+            f"IMerge: the DDP hook averages over all {workers} workers, but process_group has {size} ranks; "
+            "run DDP over imerge_hooks.worker_group() (a DDP over a subgroup is not supported)")
 
 
 def ps_hook(state: IMergeHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -8,6 +8,7 @@ has its gradient (or at ``synchronize()`` for the ``default`` schedule). Layout 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -249,6 +250,11 @@ class GradientEngine:
                      self.topo.worker_rank, self.epoch, len(groups), sum(len(g.keys) for g in groups),
                      placement.balance())
 
+    def set_policy(self, **changes: object) -> None:
+        """Change how this engine's groups are pushed from the next submission on (fields of
+        ``SchedulePolicy``). A new policy object: groups in flight keep the one they went with."""
+        self.policy = dataclasses.replace(self.policy, **changes)
+
     @property
     def partition_limit(self) -> int | None:
         """The key size limit of this plan: ``partition_bytes`` for partitioned schedules, else None."""
@@ -292,6 +298,8 @@ class GradientEngine:
 
     def gradient_ready(self, i: int) -> None:
         """Tensor ``i``'s gradient is in its view: count it and submit its group once complete."""
+        if self.backward_started is None:
+            self.backward_started = time.monotonic()
         self.counts[i] += 1
         if self.counts[i] > self.passes:
             raise IMergeUsageError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import datetime
 import hashlib
 import itertools
 import logging
@@ -473,8 +474,9 @@ def worker_group():
     address, port = master_address_port()
     backend = "nccl" if torch.cuda.is_available() and os.environ.get("IMERGE_BACKEND", "") != "gloo" else "gloo"
     backend = os.environ.get("IMERGE_BACKEND", backend)
+    # Its collectives (DDP's, Lightning's sync_dist, barriers) are bounded by timeout_s like IMerge's own.
     dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=topo.worker_rank,
-                            world_size=topo.num_workers)
+                            world_size=topo.num_workers, timeout=datetime.timedelta(seconds=config().timeout_s))
     _state.process_group = dist.group.WORLD
     _state.own_process_group = True
     return _state.process_group

@@ -19,15 +19,13 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from ._mpi import MPI
+from .aggregate import KeyAggregate
 from .config import Config
 from .failure import abort
-from .memory import host_buffer
 from .polling import Backoff
 from .topology import Topology
 from .wire import (
-    DTYPE_BY_NAME,
     KEY_TAG_BASE,
-    ROUND_TAGS,
     TAG_CONTROL,
     TAG_ERROR,
     TAG_REPLY,
@@ -62,12 +60,9 @@ class _Receive:
 
 @dataclass
 class _KeyState:
-    spec: KeySpec
-    wire: torch.Tensor  # receive scratch, wire dtype
-    acc: torch.Tensor  # running sum of pushes / W (float32 for 16-bit wire types)
-    out: torch.Tensor  # result in wire dtype (may alias acc)
-    count: int = 0
-    arrived: set[int] = field(default_factory=set)
+    """A key on this server: its average (``aggregate.KeyAggregate``) and the MPI traffic around it."""
+
+    agg: KeyAggregate
     first_push_at: float = 0.0
     warned: bool = False
     sends: list = field(default_factory=list)
@@ -76,16 +71,17 @@ class _KeyState:
     held_since: float | None = None  # a new round's first push waits for the last round's results to leave
     send_to: list[int] = field(default_factory=list)  # the workers of ``sends``, in order
     sent_at: float = 0.0  # when ``sends`` were started
-    open_round: int | None = None  # round (mod ROUND_TAGS) of the pushes matched since the last completion
-    last_round: int | None = None  # round of the last completed one
-    wire_buf: list = field(default_factory=list)  # MPI views of wire / acc / out, built once
-    acc_buf: list = field(default_factory=list)
-    out_buf: list = field(default_factory=list)
+    buffers: dict = field(default_factory=dict)  # MPI views of the aggregate's buffers, built once
 
-    def __post_init__(self) -> None:
-        self.wire_buf = as_mpi_buffer(self.wire)
-        self.acc_buf = as_mpi_buffer(self.acc) if self.acc.dtype == self.wire.dtype else []
-        self.out_buf = as_mpi_buffer(self.out)
+    @property
+    def spec(self) -> KeySpec:
+        return self.agg.spec
+
+    def mpi_buffer(self, tensor: torch.Tensor) -> list:
+        buf = self.buffers.get(id(tensor))
+        if buf is None:
+            buf = self.buffers[id(tensor)] = as_mpi_buffer(tensor)
+        return buf
 
 
 class Server:
@@ -204,9 +200,9 @@ class Server:
     def _finish(self, why: str) -> None:
         self._drain_receives()
         self._wait_sends()
-        partial = [k for k in self.keys.values() if k.count]
+        partial = [k for k in self.keys.values() if k.agg.count]
         for k in partial:
-            missing = sorted(set(range(self.workers)) - k.arrived)
+            missing = sorted(set(range(self.workers)) - k.agg.arrived)
             log.error("IMerge server %d: %s while %s still waits for worker(s) %s",
                       self.index, why, k.spec.describe(), missing)
 
@@ -241,7 +237,7 @@ class Server:
         if self.joined:
             self._abort(f"worker {worker} shut down without calling imerge_hooks.join() while workers "
                         f"{sorted(self.joined)} wait in join(): every worker must call join() when its data ends")
-        waiting = next((k for k in self.keys.values() if k.count and worker not in k.arrived), None)
+        waiting = next((k for k in self.keys.values() if k.agg.count and worker not in k.agg.arrived), None)
         if waiting is not None:
             self._abort_early_shutdown(worker, f"{waiting.spec.describe()} waits for it")
 
@@ -282,7 +278,8 @@ class Server:
         table = table_from_wire(regs[0]["keys"])
         self.epoch = regs[0]["epoch"]
         old = self.keys
-        self.keys = {k.key: old[k.key] if k.key in old and old[k.key].spec == k else self._make_state(k)
+        self.keys = {k.key: old[k.key] if k.key in old and old[k.key].spec == k else
+                     _KeyState(KeyAggregate(k, self.workers, self.cfg.join_divisor))
                      for k in table if k.server == self.index}
         for worker in regs:
             self.comm.send({"op": "ack", "epoch": self.epoch, "server": self.index}, dest=worker, tag=TAG_REPLY)
@@ -300,16 +297,6 @@ class Server:
         for worker in self.joined:
             self.comm.send({"op": "error", "message": error}, dest=worker, tag=TAG_REPLY)
 
-    @staticmethod
-    def _make_state(spec: KeySpec) -> _KeyState:
-        dtype = DTYPE_BY_NAME[spec.dtype]
-        numel = spec.nbytes // torch.empty((), dtype=dtype).element_size()
-        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        wire = host_buffer(numel, dtype)
-        acc = host_buffer(numel, acc_dtype)
-        out = acc if acc_dtype == dtype else host_buffer(numel, dtype)
-        return _KeyState(spec, wire, acc, out)
-
     # ------------------------------------------------------------------ data
     def _on_push(self, msg: MPI.Message, source: int, tag: int, nbytes: int) -> None:
         key, round_number = split_key_tag(tag)
@@ -321,7 +308,7 @@ class Server:
         elif nbytes != state.spec.nbytes:
             problem = (f"IMerge server {self.index}: worker {source} pushed {nbytes} bytes for "
                        f"{state.spec.describe()}, expected {state.spec.nbytes}")
-        elif source in state.arrived or source in _matched_sources(state):
+        elif source in state.agg.arrived or source in _matched_sources(state):
             problem = (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} twice "
                        "in one round")
         else:
@@ -338,35 +325,17 @@ class Server:
         self._accept(state, msg, source, nbytes)
 
     def _round_problem(self, state: _KeyState, source: int, round_number: int) -> str | None:
-        """A push must be for the key's open round, or open the round after the last completed one.
-
-        A worker's push of round r+1 can only follow its result of round r, which the server sends
-        once every push of round r is in, so pushes of two rounds never mix at a key: a
-        different number means some worker skipped or repeated a step (``step()`` without a
-        backward on one worker, a missing ``step()``, a different number of ``backward()`` calls).
-        """
-        if state.open_round is None:
-            if round_number == state.last_round:
-                return (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} again for a "
-                        "step whose round this key has already completed: it is behind the other workers (every "
-                        "worker must call backward() and step() the same number of times)")
-            state.open_round = round_number
+        """The aggregate's round check (``KeyAggregate.round_problem``), worded for this server."""
+        problem = state.agg.round_problem(round_number, state.agg.arrived | _matched_sources(state))
+        if problem is None:
             return None
-        if round_number == state.open_round:
-            return None
-        others = sorted(state.arrived | _matched_sources(state))
-        ahead = (round_number - state.open_round) % ROUND_TAGS
-        where = (f"{ahead} step(s) ahead of" if ahead < ROUND_TAGS / 2 else
-                 f"{ROUND_TAGS - ahead} step(s) behind" if ahead > ROUND_TAGS / 2 else "2 steps apart from")
-        return (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} for a step "
-                f"{where} worker(s) {others}: workers are out of step (one skipped a backward before step(), or "
-                "called step() or backward() a different number of times)")
+        return f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()} {problem}"
 
     def _accept(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
         """Start receiving a matched push of a key that is not receiving one, unless it begins a new
         round while the last round's results, sent from the same buffer, are still going out: then
         hold it (first in line) rather than block the loop, so other keys keep moving."""
-        if state.count == 0 and state.sends and not MPI.Request.Testall(state.sends):
+        if state.agg.count == 0 and state.sends and not MPI.Request.Testall(state.sends):
             state.held.appendleft((msg, source, nbytes))
             state.held_since = time.monotonic()
             self._sends_pending[state.spec.key] = state
@@ -388,13 +357,12 @@ class Server:
                 self._abort_results_not_taken(state)
 
     def _start_receive(self, state: _KeyState, msg: MPI.Message, source: int, nbytes: int) -> None:
-        first = state.count == 0
+        first = state.agg.count == 0
         if first:
             self._wait_key_sends(state)  # returns at once: _accept started this round after those sends
             state.first_push_at = time.monotonic()
             state.warned = False
-        into_acc = first and state.acc.dtype == state.wire.dtype
-        request = msg.Irecv(state.acc_buf if into_acc else state.wire_buf)
+        request = msg.Irecv(state.mpi_buffer(state.agg.target(first)))
         state.receiving = _Receive(request, source, nbytes, first, time.monotonic())
         self._in_flight[state.spec.key] = state
         self._receiving.add(request, state)
@@ -407,24 +375,13 @@ class Server:
         return len(arrived)
 
     def _received(self, state: _KeyState) -> None:
-        """A push is in: add it (the server sends the average: each push is scaled by 1/W as it
-        is added, so workers use the result as it arrives)."""
+        """A push is in: add it to the key's average; send the average once every push is in."""
         done, state.receiving = state.receiving, None
         del self._in_flight[state.spec.key]
-        scale = 1.0 / self.workers
-        if done.first:
-            if state.acc.dtype == state.wire.dtype:
-                if self.workers > 1:
-                    state.acc.mul_(scale)
-            else:
-                torch.mul(state.wire, scale, out=state.acc)
-        else:
-            state.acc.add_(state.wire, alpha=scale)
-        state.count += 1
-        state.arrived.add(done.source)
+        state.agg.add(done.source, done.first)
         self.pushes += 1
         self.bytes_in += done.nbytes
-        if state.count == self.workers - len(self.joined - state.arrived):
+        if state.agg.complete(self.joined):
             self._complete(state)
         if state.held:
             self._accept(state, *state.held.popleft())
@@ -454,27 +411,18 @@ class Server:
         if self.timeline is not None:
             self.timeline.span(f"key {state.spec.key} ({', '.join(state.spec.names[:2])})", "server",
                                state.first_push_at, time.monotonic())
-        if state.count < self.workers and self.cfg.join_divisor == "active":
-            # Joined workers count as zero contributions and the sum was scaled by 1/W (the
-            # default divisor); this makes it the average over the workers that did contribute.
-            state.acc.mul_(self.workers / state.count)
-        if state.out is not state.acc:
-            state.out.copy_(state.acc)
-        dests = sorted(state.arrived)  # joined workers posted no receive for this round
-        state.count = 0
-        state.arrived = set()
-        state.last_round, state.open_round = state.open_round, None
+        dests, round_number = state.agg.finish()
         if self._delay_per_byte and not state.spec.names[0].startswith("calibration."):
             heapq.heappush(self._delayed, (time.monotonic() + state.spec.nbytes * self._delay_per_byte,
-                                           state.spec.key, dests, state.last_round))
+                                           state.spec.key, dests, round_number))
         else:
-            self._send_result(state, dests, state.last_round)
+            self._send_result(state, dests, round_number)
 
     def _on_join(self, source: int) -> None:
         self.joined.add(source)
         self.last_joined = source
         for state in self.keys.values():
-            if state.count and state.count == self.workers - len(self.joined - state.arrived):
+            if state.agg.complete(self.joined):
                 self._complete(state)
         if len(self.joined) == self.workers:
             for worker in range(self.workers):
@@ -483,7 +431,8 @@ class Server:
 
     def _send_result(self, state: _KeyState, dests: list[int], round_number: int) -> None:
         tag = key_tag(state.spec.key, round_number)
-        state.sends = [self.comm.Isend(state.out_buf, dest=w, tag=tag) for w in dests]
+        out = state.mpi_buffer(state.agg.out)
+        state.sends = [self.comm.Isend(out, dest=w, tag=tag) for w in dests]
         state.send_to, state.sent_at = list(dests), time.monotonic()
         for request in state.sends:
             self._sending.add(request, state)
@@ -523,13 +472,13 @@ class Server:
     def _check_stalls(self, now: float) -> None:
         self._abort_late_receives(now)
         for state in self.keys.values():
-            if state.count and now - state.first_push_at > self.cfg.timeout_s:
-                missing = sorted(set(range(self.workers)) - state.arrived)
+            if state.agg.count and now - state.first_push_at > self.cfg.timeout_s:
+                missing = sorted(set(range(self.workers)) - state.agg.arrived)
                 self._abort(f"{state.spec.describe()} waited {now - state.first_push_at:.0f} s (timeout_s) for "
                             f"worker(s) {missing} (tensors: {', '.join(state.spec.names)}); they are dead or stuck")
-            if state.count and not state.warned and now - state.first_push_at > self.cfg.stall_warning_s:
+            if state.agg.count and not state.warned and now - state.first_push_at > self.cfg.stall_warning_s:
                 state.warned = True
-                missing = sorted(set(range(self.workers)) - state.arrived)
+                missing = sorted(set(range(self.workers)) - state.agg.arrived)
                 log.warning("IMerge server %d: %s has waited %.0f s for worker(s) %s (tensors: %s)",
                             self.index, state.spec.describe(), now - state.first_push_at, missing,
                             ", ".join(state.spec.names))

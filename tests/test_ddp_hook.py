@@ -8,6 +8,7 @@ from common import reference_train
 from mpirun import run_mpi
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_ddp_hook.py"
+CONVENTIONS = Path(__file__).parent / "scripts" / "ddp_conventions.py"
 TOL = 1e-5
 
 
@@ -47,3 +48,17 @@ def test_planned_fusion_of_ddp_buckets(tmp_path, schedule):
     if schedule == "threshold":  # a threshold above the model's bytes: every bucket in one group
         assert int(groups) == 1 < int(buckets)
     assert max_diff(torch.load(out), reference_train("sgd", 7)) <= TOL
+
+
+def test_hook_refuses_torch_distributed_over_every_rank(tmp_path):
+    """DDP initialised over all ranks, then IMerge started: the last rank would become a server and
+    the workers would hang in DDP's collectives; every rank is told at once instead."""
+    run = run_mpi(CONVENTIONS, 3, "world-group", str(tmp_path / "rendezvous"), servers=1, timeout=60).check()
+    assert all(run.lines(r, "refused") == [""] for r in range(3))
+
+
+def test_hook_names_its_schedules_and_checks_the_process_group():
+    run = run_mpi(CONVENTIONS, 3, "bad-input", servers=1, timeout=60).check()
+    for r in range(2):
+        assert run.lines(r, "unknown schedule refused") and run.lines(r, "subgroup refused")
+        assert run.lines(r, "worker group accepted")

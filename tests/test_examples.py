@@ -23,8 +23,15 @@ def test_horovod_style_learns_digits(env):
     assert float(result_line(run).split("val_acc=")[1]) > 0.8
 
 
-def test_ddp_hook_learns_digits(env):
-    run = run_mpi(EXAMPLES / "ddp_hook.py", 3, "--epochs", "2", servers=1, env=env, timeout=150).check()
+def test_ddp_hook_learns_digits_across_a_checkpoint(env, tmp_path):
+    """One epoch, a checkpoint holding the hook state, a new launch that resumes for the second."""
+    ckpt = str(tmp_path / "ckpt.pt")
+    run_mpi(EXAMPLES / "ddp_hook.py", 3, "--epochs", "1", "--checkpoint", ckpt, servers=1, env=env,
+            timeout=150).check()
+    run = run_mpi(EXAMPLES / "ddp_hook.py", 3, "--epochs", "2", "--checkpoint", ckpt, servers=1, env=env,
+                  timeout=150).check()
+    assert "resumed after epoch 0 (schedule wfbp)" in run.stdout
+    assert "epoch 0:" not in run.stdout
     assert float(result_line(run).split("val_acc=")[1]) > 0.8
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from mpirun import run_mpi
 
+from imerge_hooks.aggregate import KeyAggregate
 from imerge_hooks.server import CLOCK_JUMP_S, Server, _KeyState, _Receive
 from imerge_hooks.wire import KeySpec
 
@@ -92,9 +93,9 @@ def test_a_server_that_was_stopped_restarts_its_stall_clocks_instead_of_blaming_
     """A gap in the server's own loop (SIGSTOP, then SIGCONT) is not time the workers were late."""
     server = Server.__new__(Server)  # only the state _tick() reads: no MPI needed
     server.index = 0
-    buf = torch.zeros(4)
-    state = _KeyState(KeySpec(7, 16, "float32", 0, ("w",)), buf, buf, buf, count=1, first_push_at=100.0,
+    state = _KeyState(KeyAggregate(KeySpec(7, 16, "float32", 0, ("w",)), workers=2), first_push_at=100.0,
                       held_since=101.0)
+    state.agg.count = 1
     state.receiving = _Receive(None, 1, 16, False, 102.0)
     server.keys = {7: state}
     server._last_tick = time.monotonic() - (CLOCK_JUMP_S + 10)
