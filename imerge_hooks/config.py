@@ -78,6 +78,8 @@ class Config:
     join_divisor: str = "workers"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.compression, str):  # Compression.fp16 (a compressor class): its name
+            self.compression = getattr(self.compression, "name", self.compression)
         if self.schedule not in SCHEDULES:
             raise ValueError(f"IMerge: unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.backward_passes_per_step < 1:

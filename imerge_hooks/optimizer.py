@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from . import runtime
+from .config import Config
 from .engine import GradientEngine
-from .layout import dtype_name
+from .errors import IMergeConfigError, IMergeUsageError
+from .horovod_api import ReduceOp, check_process_set, reduce_op
+from .layout import compression_name, dtype_name
 from .naming import module_names
+from .wire import SUPPORTED_DTYPES
+
+SYNCHRONIZE_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                       "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                       "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
 class _DistributedMixin:
@@ -21,10 +30,14 @@ class _DistributedMixin:
 
     _imerge_engine: GradientEngine
     _imerge_skip_sync: bool
+    _imerge_synchronized: bool  # synchronize() ran since the last step() (Horovod warns at that step)
+    _imerge_sparse: dict[int, int]  # id(param) -> sparse_dim of its sparse gradients (sparse_as_dense)
+    _imerge_sparse_hooks: list
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over the workers (e.g. before clipping)."""
         self._imerge_engine.synchronize()
+        self._imerge_synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -41,20 +54,52 @@ class _DistributedMixin:
             with torch.enable_grad():
                 loss = closure()
         engine = self._imerge_engine
-        if not self._imerge_skip_sync and engine.can_defer(self):
+        if not self._imerge_skip_sync and self._imerge_synchronized and not engine.pending_gradients:
+            warnings.warn(SYNCHRONIZE_WARNING, stacklevel=2)
+        self._imerge_synchronized = False
+        if not self._imerge_skip_sync and not self._imerge_sparse and engine.can_defer(self):
             engine.defer_step(self, _base_step)
             return loss
         if not self._imerge_skip_sync:
             engine.synchronize()
         else:
             engine.flush_deferred()
-        hidden = _hide_missing_gradients(engine)
+        hidden = _hide_missing_gradients(engine) + _sparse_again(engine, self._imerge_sparse)
         try:
             super().step()  # type: ignore[misc]
         finally:
             for p, grad in hidden:
                 p.grad = grad
         return loss
+
+    def gradients_pending(self) -> bool:
+        """Whether a backward since the last ``synchronize()`` or ``step()`` left gradients that are
+        not averaged yet."""
+        return self._imerge_engine.pending_gradients
+
+    @property
+    def gradients_averaged(self) -> bool:
+        """``synchronize()`` ran and no backward since: ``step()`` belongs in ``skip_synchronize()``."""
+        return self._imerge_synchronized and not self._imerge_engine.pending_gradients
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``; the new parameters are averaged too (a new engine over all of
+        them: a plan epoch, so every worker adds the group at the same point, between steps)."""
+        super().add_param_group(param_group)  # type: ignore[misc]
+        old = self._imerge_engine
+        old.flush_deferred()
+        if old.pending_gradients or old.in_flight:
+            raise IMergeUsageError(f"IMerge worker {old.topo.worker_rank}: add_param_group() between backward() "
+                                   "and step(); add parameter groups between steps")
+        names = {id(p): n for n, p in zip(old.names, old.params)}
+        params = [p for group in self.param_groups for p in group["params"]]
+        fresh = [p for p in params if id(p) not in names]
+        names.update(zip(map(id, fresh), module_names(fresh)))
+        named = [(names[id(p)], p) for p in params if not _frozen_integer(p)]
+        for hook in self._imerge_sparse_hooks:
+            hook.remove()
+        old.close()
+        self._imerge_engine, self._imerge_sparse_hooks = _build_engine(named, old.cfg, *self._imerge_build)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients in place: they stay views into IMerge's flat buffers (no allocation per step).
@@ -80,7 +125,10 @@ class _DistributedMixin:
         """
         engine = self._imerge_engine
         engine.close()
-        del self._imerge_engine, self._imerge_skip_sync
+        for hook in self._imerge_sparse_hooks:
+            hook.remove()
+        del self._imerge_engine, self._imerge_skip_sync, self._imerge_synchronized, self._imerge_build
+        del self._imerge_sparse, self._imerge_sparse_hooks
         self.__class__ = type(self).__mro__[2]  # the wrapped class again
 
     def __enter__(self) -> _DistributedMixin:
@@ -95,6 +143,7 @@ class _DistributedMixin:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         runtime.flush_all()
+        self._imerge_synchronized = False
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
@@ -114,6 +163,63 @@ def _hide_missing_gradients(engine: GradientEngine) -> list[tuple[torch.Tensor, 
     return hidden
 
 
+def _sparse_again(engine: GradientEngine, layouts: dict[int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """sparse_as_dense: parameters whose gradients came sparse step with a sparse gradient again
+    (as Horovod does: SparseAdam needs one); returns (param, dense gradient) to put back after."""
+    dense = []
+    for p in engine.params:
+        if id(p) in layouts and p.grad is not None and not p.grad.is_sparse:
+            dense.append((p, p.grad))
+            p.grad = p.grad.to_sparse(layouts[id(p)])
+    return dense
+
+
+def _sparse_hook(name: str, layouts: dict[int, int], allow: bool, worker: int) -> Callable[[torch.Tensor], None]:
+    """A gradient hook run before the engine's: a sparse gradient becomes dense (``sparse_as_dense``)
+    or is refused naming the tensor."""
+
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None or not grad.is_sparse:
+            return
+        if not allow:
+            raise TypeError(f"IMerge worker {worker}: gradient of {name!r} is sparse; IMerge's servers average "
+                            "dense gradients: pass DistributedOptimizer(..., sparse_as_dense=True) to send it dense "
+                            "(or use a dense embedding)")
+        layouts[id(param)] = grad.sparse_dim()
+        param.grad = grad.to_dense()
+
+    return hook
+
+
+class _SummingEngine(GradientEngine):
+    """``op=Sum``: each exchange's average times the number of workers (``factor``), applied once, before
+    the planner or the step sees the gradients."""
+
+    def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], config: Config,
+                 factor: float) -> None:
+        self.factor = factor
+        super().__init__(named_parameters, config)
+
+    def finish_iteration(self) -> None:
+        with torch.no_grad():
+            for view in self.views:
+                if view is not None:
+                    view.mul_(self.factor)
+        super().finish_iteration()
+
+    def _adopt_trainable(self) -> None:
+        """Newly unfrozen parameters' gradients are exchanged once more (after finish_iteration)."""
+        before = list(self.trainable)
+        super()._adopt_trainable()
+        if self.comm is None:
+            return
+        with torch.no_grad():
+            for i, (was, now) in enumerate(zip(before, self.trainable)):
+                if now and not was and self.params[i].grad is not None:
+                    self.views[i].mul_(self.factor)
+
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -126,30 +232,107 @@ def _distributed_class(cls: type) -> type:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-                         schedule: str | None = None, backward_passes_per_step: int | None = None,
-                         **config: Any) -> torch.optim.Optimizer:
+                         compression: Any = None, backward_passes_per_step: int | None = None,
+                         op: Any = ReduceOp.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False, process_set: Any = None, *,
+                         schedule: str | None = None, **config: Any) -> torch.optim.Optimizer:
     """Make ``optimizer`` average gradients over all workers through the parameter servers.
 
     Returns the same object, now also an instance of a subclass of its class that adds
     ``synchronize()`` and ``skip_synchronize()``; its ``state_dict()`` is the wrapped
-    optimizer's. ``schedule`` is one of ``imerge_hooks.SCHEDULES`` (default ``imerge``);
-    other keyword arguments are ``Config`` fields.
+    optimizer's. Horovod's arguments, in Horovod's order: ``compression`` (``Compression.none``,
+    ``fp16``, ``bf16`` or their names), ``op`` (``Average``, or ``Sum``: the average times
+    ``size()``; Sum steps synchronously), ``gradient_predivide_factor`` (any f > 0 with Average:
+    the result is the average either way), ``sparse_as_dense`` (sparse gradients are sent dense
+    and step sparse again). ``groups``/``num_groups`` are refused (the planner fuses). Frozen
+    integer parameters are left out. ``schedule`` is one of ``imerge_hooks.SCHEDULES`` (default
+    ``imerge``); other keyword arguments are ``Config`` fields.
     """
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("IMerge: this optimizer is already a DistributedOptimizer")
+    op = _check_horovod_options(op, gradient_predivide_factor, num_groups, groups, process_set)
     if not runtime.is_initialized():
         runtime.init()
-    overrides = dict(config)
+    overrides = _engine_overrides(config, schedule, backward_passes_per_step, compression, op)
+    factor = float(runtime.topology().num_workers) if op is ReduceOp.Sum else 1.0
+    cfg = runtime.engine_config("DistributedOptimizer", **overrides)
+    named = _named_parameters(optimizer, named_parameters)
+    layouts: dict[int, int] = {}
+    build = (factor, layouts, bool(sparse_as_dense))
+    engine, hooks = _build_engine(named, cfg, *build)
+    optimizer.__class__ = _distributed_class(type(optimizer))
+    optimizer._imerge_engine = engine
+    optimizer._imerge_build = build
+    optimizer._imerge_skip_sync = False
+    optimizer._imerge_synchronized = False
+    optimizer._imerge_sparse = layouts
+    optimizer._imerge_sparse_hooks = hooks
+    _repatch_scheduler_step(optimizer)
+    return optimizer
+
+
+def _build_engine(named: list, cfg: Config, factor: float, layouts: dict[int, int],
+                  sparse_as_dense: bool) -> tuple[GradientEngine, list]:
+    """The engine over ``named`` and its sparse-gradient hooks (registered first, so they run first)."""
+    worker = runtime.topology().worker_rank
+    for name, p in named:
+        dtype_name(p.dtype, name, f"worker {worker}")
+    hooks = [p.register_post_accumulate_grad_hook(_sparse_hook(name, layouts, sparse_as_dense, worker))
+             for name, p in named if p.requires_grad]
+    try:
+        engine = _SummingEngine(named, cfg, factor) if factor != 1.0 else GradientEngine(named, cfg)
+    except BaseException:
+        for hook in hooks:
+            hook.remove()
+        raise
+    return engine, hooks
+
+
+def _check_horovod_options(op: Any, predivide: float, num_groups: int, groups: Any, process_set: Any) -> ReduceOp:
+    """Horovod's DistributedOptimizer arguments IMerge supports; the op to use."""
+    op = reduce_op(op, "IMerge: DistributedOptimizer")
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise IMergeConfigError(f"IMerge: DistributedOptimizer(op={op.name}) is not supported: the servers sum "
+                                "gradients; use op=imerge_hooks.Average or op=imerge_hooks.Sum")
+    if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
+        raise IMergeConfigError(f"IMerge: gradient_predivide_factor must be a number > 0, got {predivide!r}")
+    if predivide != 1.0 and op is not ReduceOp.Average:
+        raise IMergeConfigError("IMerge: gradient_predivide_factor not supported with op != Average (as Horovod)")
+    if groups is not None or num_groups:
+        raise IMergeConfigError("IMerge: DistributedOptimizer(groups=/num_groups=) is not supported: IMerge's "
+                                "planner chooses the fusion groups from measured timings (see schedule= and "
+                                "fusion_threshold_bytes); leave groups=None")
+    check_process_set(process_set, "DistributedOptimizer")
+    return op
+
+
+def _engine_overrides(config: dict[str, Any], schedule: str | None, passes: int | None, compression: Any,
+                      op: ReduceOp) -> dict[str, Any]:
+    """The engine options given here (None: not given)."""
+    overrides = dict(config, compression=compression_name(compression))
     if schedule is not None:
         overrides["schedule"] = schedule
-    if backward_passes_per_step is not None:
-        overrides["backward_passes_per_step"] = backward_passes_per_step
-    cfg = runtime.engine_config("DistributedOptimizer", **overrides)
+    if passes is not None:
+        overrides["backward_passes_per_step"] = passes
+    if op is ReduceOp.Sum:  # the sum is taken when every gradient is in, not module by module in the next forward
+        if overrides.get("overlap_forward"):
+            raise IMergeConfigError("IMerge: op=Sum cannot overlap the update with the next forward pass; "
+                                    "leave overlap_forward unset (or use op=Average)")
+        overrides["overlap_forward"] = False
+    return overrides
+
+
+def _named_parameters(optimizer: torch.optim.Optimizer,
+                      named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None) -> list:
+    """(name, tensor) of every tensor the optimizer updates, frozen integer parameters left out."""
     opt_params = [p for group in optimizer.param_groups for p in group["params"]]
     if named_parameters is None:
         named = list(zip(module_names(opt_params), opt_params))
     else:
         named = list(named_parameters)
+        if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+            raise ValueError("IMerge: named_parameters should be a sequence of tuples (name, parameter), usually "
+                             "produced by model.named_parameters()")
         known = {id(p) for _, p in named}
         missing = [i for i, p in enumerate(opt_params) if id(p) not in known]
         if missing:
@@ -157,14 +340,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                              "named_parameters; pass model.named_parameters() of the model being optimised")
         in_opt = {id(p) for p in opt_params}
         named = [(name, p) for name, p in named if id(p) in in_opt]
-    for name, p in named:
-        dtype_name(p.dtype, name, f"worker {runtime.topology().worker_rank}")
-    engine = GradientEngine(named, cfg)
-    optimizer.__class__ = _distributed_class(type(optimizer))
-    optimizer._imerge_engine = engine
-    optimizer._imerge_skip_sync = False
-    _repatch_scheduler_step(optimizer)
-    return optimizer
+    return [(name, p) for name, p in named if not _frozen_integer(p)]
+
+
+def _frozen_integer(p: torch.Tensor) -> bool:
+    """A model parameter that never gets a gradient and that IMerge could not sum (e.g. an index table):
+    left out, as Horovod does. A plain non-floating tensor given to the optimizer is still refused."""
+    return isinstance(p, torch.nn.Parameter) and not p.requires_grad and p.dtype not in SUPPORTED_DTYPES
 
 
 def _repatch_scheduler_step(optimizer: torch.optim.Optimizer) -> None:

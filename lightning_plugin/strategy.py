@@ -18,8 +18,9 @@ the ``imerge`` schedule defer the update into the next forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from imerge_hooks.errors import IMergeConfigError
 from ._lightning import (
     LightningOptimizer,
     ParallelStrategy,
+    TrainerFn,
     _distributed_is_initialized,
     _sync_ddp_if_available,
     is_overridden,
@@ -44,7 +46,7 @@ from .environment import IMergeEnvironment
 from .launcher import IMergeLauncher
 from .serving import start as start_imerge
 
-_IMERGE_METHODS = ("synchronize", "skip_synchronize", "set_backward_passes_per_step", "close")
+_IMERGE_METHODS = ("synchronize", "skip_synchronize", "set_backward_passes_per_step", "close", "gradients_pending")
 
 
 class IMergeStrategy(ParallelStrategy):
@@ -58,9 +60,13 @@ class IMergeStrategy(ParallelStrategy):
     Args:
         num_servers: server ranks (default: ``IMERGE_NUM_SERVERS``, else 0: one process, no servers).
         schedule: one of ``imerge_hooks.SCHEDULES`` (default: ``IMERGE_SCHEDULE``, else ``imerge``).
+        broadcast_buffers: as DDP's: before every training forward (and at validation during fit)
+            worker 0's module buffers (BatchNorm running statistics) go to every worker.
         **config: any other ``imerge_hooks.Config`` field (``partition_bytes``, ``credit_bytes``,
             ``timeout_s``, ...). ``backward_passes_per_step`` is taken from
-            ``Trainer(accumulate_grad_batches=...)`` in automatic optimization.
+            ``Trainer(accumulate_grad_batches=...)`` in automatic optimization; in manual
+            optimization several ``manual_backward`` calls before one ``step()`` accumulate, as
+            under DDP.
         accelerator, checkpoint_io, precision_plugin: as for every Lightning strategy.
     """
 
@@ -68,11 +74,14 @@ class IMergeStrategy(ParallelStrategy):
 
     def __init__(self, num_servers: int | None = None, schedule: str | None = None, *,
                  accelerator: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
-                 **config: Any) -> None:
+                 broadcast_buffers: bool = True, **config: Any) -> None:
         self._config = {k: v for k, v in dict(config, schedule=schedule).items() if v is not None}
         Config.from_env(**self._config)  # unknown options and bad values fail here, on every rank
         _check_num_servers(num_servers)
         self._num_servers = num_servers
+        self._broadcast_buffers = broadcast_buffers
+        self._buffers_follow = True  # the next forward broadcasts buffers (see _before_forward)
+        self._blocking_sync = False
         self._passes: int | None = None  # backward passes per step set on the IMerge optimizers
         self._environment = IMergeEnvironment(start=self.start_imerge)
         super().__init__(accelerator=accelerator, parallel_devices=None, cluster_environment=self._environment,
@@ -130,6 +139,14 @@ class IMergeStrategy(ParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         self._trainer = trainer
+        self._buffers_follow = True  # as a new DDP wrapper of this stage
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:  # Trainer(sync_batchnorm=True)
+            if self.root_device.type != "cuda":
+                raise IMergeConfigError(
+                    f"IMerge: sync_batchnorm=True needs CUDA devices (torch's SyncBatchNorm does not run on "
+                    f"{self.root_device.type}); use sync_batchnorm=False, where worker 0's BatchNorm statistics "
+                    "are broadcast before every training step (broadcast_buffers=True)")
+            self.model = self._layer_sync.apply(self.model)  # over the workers' torch.distributed group
         super().setup(trainer)  # convert module, move it, build optimizers (wrapped below), precision
         named = list(self.lightning_module.named_parameters()) + list(self.lightning_module.named_buffers())
         imerge_hooks.broadcast_parameters(named, root_rank=0)  # every worker starts from worker 0's state
@@ -170,8 +187,50 @@ class IMergeStrategy(ParallelStrategy):
         plugin._imerge_clip = True
 
     # ------------------------------------------------------------------ training
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward(syncs_gradients=not self._blocking_sync)
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # DDP's forward runs it then
+            self._before_forward(syncs_gradients=False)
+        return super().validation_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning's accumulation micro-batches (DDP's ``no_sync``); IMerge accumulates by itself."""
+        self._blocking_sync = True
+        try:
+            yield
+        finally:
+            self._blocking_sync = False
+
+    def _before_forward(self, syncs_gradients: bool) -> None:
+        """``broadcast_buffers`` as DDP does it: worker 0's buffers go to every worker before a forward
+        that follows a forward whose gradients were synchronised (DDP's ``require_forward_param_sync``)."""
+        if self._buffers_follow and self._broadcast_buffers and self.world_size > 1 \
+                and _distributed_is_initialized():
+            for buffer in self.lightning_module.buffers():
+                torch.distributed.broadcast(buffer, src=0)
+        self._buffers_follow = syncs_gradients and torch.is_grad_enabled()
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Manual optimization may call ``manual_backward`` several times before ``step()``; each
+        earlier backward's gradients are averaged first, so the next one adds to averaged
+        gradients (what DDP's all-reduce per backward gives)."""
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            for inner in _imerge_optimizers(self.optimizers):
+                if inner.gradients_pending():
+                    inner.synchronize()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         inner = _imerge_optimizer(optimizer)
+        if inner is not None and inner.gradients_averaged:  # manual clip_gradients synchronised already
+            with inner.skip_synchronize():
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
         if inner is None or not self._needs_gradients_before_step(model):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
@@ -254,6 +313,10 @@ class IMergeStrategy(ParallelStrategy):
         if self._may_close_optimizers():
             for opt in _imerge_optimizers(self.optimizers):
                 opt.close()  # a later fit() builds new optimizers; their hooks must be the only ones
+        module = self.lightning_module
+        if (self._layer_sync and module is not None and module._trainer is not None
+                and module._trainer.state.fn == TrainerFn.FITTING and self.model is not None):
+            self.model = self._layer_sync.revert(self.model)
         super().teardown()
 
     def _may_close_optimizers(self) -> bool:

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from mpirun import run_mpi
 
 from imerge_hooks.aggregate import KeyAggregate

@@ -99,6 +99,28 @@ def test_manual_optimization_two_optimizers_and_bf16(imerge, ddp):
     assert max_diff(imerge.state("bf16"), ddp.state("bf16")) <= 1e-4
 
 
+def test_batchnorm_buffers_follow_worker_0_as_under_ddp(imerge, ddp):
+    """broadcast_buffers: before each forward that follows a synchronised one, DDP gives every
+    worker worker 0's running statistics; the strategy does the same, so each worker's buffers match."""
+    for worker in (0, 1):
+        ours, theirs = torch.load(imerge.out / f"bn-w{worker}.pt"), torch.load(ddp.out / f"bn-w{worker}.pt")
+        assert max_diff(ours, theirs) <= TOL, worker
+
+
+def test_manual_accumulation_under_the_default_schedule(imerge, ddp):
+    """Two manual_backward per step accumulate as under DDP, and no epoch loses its last step."""
+    assert max_diff(imerge.state("macc"), ddp.state("macc")) <= TOL
+    close(imerge.result("macc")["metrics"], ddp.result("macc")["metrics"], ["val_loss"])
+
+
+def test_the_unified_lightning_package_trains_as_ddp(ddp, tmp_path):
+    """``import lightning.pytorch`` before ``lightning_plugin``: the strategy is built on that package."""
+    run = run_mpi(CHECKS, 3, str(tmp_path), "--strategy", "imerge-name", "--runs", "plain", "--lightning",
+                  servers=1, timeout=120, env={"IMERGE_SCHEDULE": "wfbp"}).check()
+    assert run.lines(2, "done") == ["imerge-name server"]
+    assert max_diff(torch.load(tmp_path / "plain.pt"), ddp.state("plain")) <= TOL
+
+
 def test_digits_example_reaches_good_accuracy():
     # Trainer(strategy="imerge") from the registry, configured by IMERGE_* env vars
     run = run_mpi(REPO / "examples" / "lightning_digits.py", 3, "--epochs", "4", "--batch-size", "48",

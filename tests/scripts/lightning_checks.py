@@ -1,6 +1,6 @@
 """Several Lightning runs in one launch, under ``strategy=imerge`` or Lightning's own DDP (the reference).
 
-Usage: python lightning_checks.py OUT --strategy imerge|imerge-name|ddp [--runs plain,full,manual,bf16]
+Usage: python lightning_checks.py OUT --strategy imerge|imerge-name|ddp [--runs plain,full,...] [--lightning]
 
 Runs (each a fresh model and Trainer, in this order):
   plain   fit, 2 epochs, float64 SmallCNN, SGD with momentum; val loss/acc logged with sync_dist
@@ -8,6 +8,8 @@ Runs (each a fresh model and Trainer, in this order):
           gradient_clip_val, ModelCheckpoint every epoch; then validate(ckpt_path=...), test, predict
   manual  manual optimization, two optimizers (SGD, Adam) over two sub-networks
   bf16    float32 model, precision="bf16-mixed" on CPU; fit twice (second Trainer, same model)
+  bn      BatchNorm model, 2 epochs with validation: every worker's buffers as under DDP (broadcast_buffers)
+  macc    manual optimization, two manual_backward per step (accumulation), schedule "default", 2 epochs
 Worker 0 writes OUT/<run>.pt (final state_dict) and OUT/<run>.json (metrics). Every rank says what
 it did; server ranks report what each entry point returned there.
 """
@@ -19,16 +21,22 @@ import os
 import sys
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 from common import SmallCNN, say
 from mpi4py import MPI
-from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.plugins import TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_plugin
+if "--lightning" in sys.argv:  # the unified package: lightning.pytorch (imported before lightning_plugin)
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins import TorchCheckpointIO
+else:
+    import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.plugins import TorchCheckpointIO
+
+import lightning_plugin  # noqa: E402
 
 if not MPI.Is_initialized():  # importing imerge_hooks does not start MPI
     MPI.Init_thread(MPI.THREAD_MULTIPLE)
@@ -36,7 +44,8 @@ WORLD_RANK = MPI.COMM_WORLD.Get_rank()
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--strategy", default="imerge", choices=["imerge", "imerge-name", "ddp"])
-parser.add_argument("--runs", default="plain,full,manual,bf16")
+parser.add_argument("--runs", default="plain,full,manual,bf16,bn,macc")
+parser.add_argument("--lightning", action="store_true", help="build on lightning.pytorch")
 args = parser.parse_args()
 OUT = Path(args.out)
 CLIP = 0.05
@@ -111,6 +120,40 @@ class TwoNets(pl.LightningModule):
     def configure_optimizers(self):
         return (torch.optim.SGD(self.a.parameters(), lr=0.1, momentum=0.5),
                 torch.optim.Adam(self.b.parameters(), lr=0.01))
+
+
+class BatchNormNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4321)
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                                 nn.Linear(4 * 8 * 8, 10)).double()
+
+
+class ManualAccumulation(pl.LightningModule):
+    """Manual optimization with two backward passes per step; validation between epochs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(77)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10)).double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        half = len(x) // 2
+        for xs, ys in ((x[:half], y[:half]), (x[half:], y[half:])):
+            self.manual_backward(nn.functional.cross_entropy(self.net(xs), ys) / 2)
+        opt.step()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
 class RecordingIO(TorchCheckpointIO):
@@ -224,6 +267,22 @@ if "bf16" in runs:
         loss = float(t.callback_metrics["train_loss"])
         say(WORLD_RANK, "bf16-loss", loss, "finite" if math.isfinite(loss) else "NOT FINITE")
         finish("bf16", t, model)
+
+if "bn" in runs:
+    t = trainer(max_epochs=2)
+    model = BatchNormNet()
+    t.fit(model, loader(train, True), loader(val, False))
+    if not on_server():
+        finish("bn", t, model)
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, OUT / f"bn-w{t.global_rank}.pt")
+
+if "macc" in runs:
+    strategy = lightning_plugin.IMergeStrategy(schedule="default") if args.strategy == "imerge" else None
+    t = trainer(max_epochs=2, **({"strategy": strategy} if strategy is not None else {}))
+    model = ManualAccumulation()
+    t.fit(model, loader(train, True), loader(val, False))
+    if not on_server():
+        finish("macc", t, model)
 
 say(WORLD_RANK, "done", args.strategy, "server" if on_server() else "worker")
 sys.stdout.flush()

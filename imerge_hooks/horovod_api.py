@@ -1,0 +1,732 @@
+"""Horovod's ``horovod.torch`` tensor API over the workers: ``import imerge_hooks as hvd``.
+
+The collectives run over ``topology().worker_comm`` (workers only; the parameter servers never
+see them), moving tensors through host memory: CPU tensors as numpy views, CUDA tensors staged
+through ``.cpu()`` and copied back to their device. Each op first agrees on every worker's
+shapes, dtypes and arguments with a deadline collective (``collectives.collective``), so a
+missing worker is named instead of waited for and a mismatch raises on every worker with the
+worker and tensor it concerns; then the data moves by a non-blocking MPI collective polled
+with back-off until ``timeout_s``.
+
+Differences from Horovod (see ``docs/compatibility.md``): ops are matched by call order, not
+by name (every worker must issue the same ops in the same order; names are compared and only
+used in messages); ``*_async`` ops run eagerly, their handle's ``synchronize()`` returns the
+result and ``poll()`` is always True; only the global process set exists.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import runtime
+from ._mpi import MPI
+from .collectives import collective
+from .errors import IMergeConfigError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
+from .failure import record_fatal, whoami
+from .layout import Compression
+from .polling import Backoff
+from .topology import Topology
+
+
+class ReduceOp(enum.IntEnum):
+    """Horovod's reduction ops (same values as Horovod's ``ReduceOp``)."""
+
+    Average = 0
+    Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
+                                           ReduceOp.Max, ReduceOp.Product)
+
+_MPI_OPS = {ReduceOp.Average: "SUM", ReduceOp.Sum: "SUM", ReduceOp.Min: "MIN", ReduceOp.Max: "MAX",
+            ReduceOp.Product: "PROD"}
+_REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+              torch.int32, torch.int64)
+_unnamed = itertools.count()
+
+
+# ---------------------------------------------------------------------- ops and arguments
+def reduce_op(op: Any, where: str = "IMerge") -> ReduceOp:
+    """``op`` as a ReduceOp; Adasum and unknown values raise IMergeConfigError."""
+    try:
+        value = ReduceOp(op)
+    except ValueError:
+        raise IMergeConfigError(f"{where}: unknown reduction op {op!r}; use imerge_hooks.Average, Sum, Min, Max "
+                                "or Product") from None
+    if value is ReduceOp.Adasum:
+        raise IMergeConfigError(f"{where}: op=Adasum is not supported by IMerge (its servers sum gradients); use "
+                                "op=imerge_hooks.Average")
+    return value
+
+
+def resolve_op(op: Any, average: bool | None, where: str = "IMerge") -> ReduceOp:
+    """Horovod's ``average=`` (deprecated) and ``op=`` rule: only one of them; default Average."""
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return ReduceOp.Average if average else ReduceOp.Sum
+    return ReduceOp.Average if op is None else reduce_op(op, where)
+
+
+class _GlobalProcessSet:
+    """Horovod's ``global_process_set``: every worker (the only process set IMerge has)."""
+
+    process_set_id = 0
+
+    def rank(self) -> int:
+        return runtime.topology().worker_rank
+
+    def size(self) -> int:
+        return runtime.topology().num_workers
+
+    def included(self) -> bool:
+        return not runtime.topology().is_server
+
+    def __repr__(self) -> str:
+        return "global_process_set"
+
+
+global_process_set = _GlobalProcessSet()
+
+
+def check_process_set(process_set: Any, where: str) -> None:
+    """Only the global process set (or None) is accepted."""
+    if process_set is not None and process_set is not global_process_set:
+        raise IMergeConfigError(f"IMerge: {where}: process sets are not supported; every op runs over all workers "
+                                "(pass process_set=None or imerge_hooks.global_process_set)")
+
+
+def add_process_set(*_args: Any, **_kwargs: Any) -> None:
+    """Refused: IMerge has one process set, all workers."""
+    raise IMergeConfigError("IMerge: add_process_set: process sets are not supported; every op runs over all "
+                            "workers")
+
+
+def remove_process_set(*_args: Any, **_kwargs: Any) -> None:
+    """Refused: IMerge has one process set, all workers."""
+    raise IMergeConfigError("IMerge: remove_process_set: process sets are not supported; every op runs over all "
+                            "workers")
+
+
+def _compressor(compression: Any) -> Any:
+    """An object with Horovod's ``compress``/``decompress``; a name picks one of ``Compression``'s."""
+    if isinstance(compression, str):
+        found = getattr(Compression, compression, None)
+        if found is None or not hasattr(found, "compress"):
+            raise IMergeConfigError(f"IMerge: unknown compression {compression!r}; use none, fp16 or bf16")
+        return found
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise IMergeConfigError(f"IMerge: compression {compression!r} has no compress()/decompress()")
+    return compression
+
+
+# ---------------------------------------------------------------------- agreement and waiting
+def _topology() -> Topology:
+    topo = runtime.topology()
+    if topo.is_server:
+        raise IMergeUsageError(f"{whoami()}: tensor collectives run on workers only; servers serve in init()")
+    return topo
+
+
+def _label(kind: str, name: str | None) -> str:
+    return name if name else f"{kind}.noname.{next(_unnamed)}"
+
+
+def _agree(kind: str, name: str | None, meta: dict[str, Any], same: Sequence[str],
+           problem: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """Every worker's ``meta`` for this op, gathered with a deadline; raise on every worker alike if a
+    worker reported a ``problem``, ran another op or name, or differs from worker 0 in a field of ``same``.
+
+    Returns the op's label (its name, or a generated one) and the metas by worker rank.
+    """
+    topo = _topology()
+    label = _label(kind, name)
+    entries = collective(topo.worker_comm, "allgather", (kind, name, meta, problem), f"{kind} of tensor {label!r}")
+    where = f"{whoami()}: {kind} of tensor {label!r}"
+    kind0, name0, meta0, _ = entries[0]
+    for r, (k, n, _, _) in enumerate(entries):
+        if (k, n) != (kind0, name0):
+            raise IMergeMismatchError(f"{where}: worker {r} called {k} of {n!r} where worker 0 called {kind0} of "
+                                      f"{name0!r}: every worker must run the same collectives in the same order")
+    for r, (_, _, _, why) in enumerate(entries):
+        if why is not None:
+            raise IMergeUsageError(f"{where}: worker {r}: {why}")
+    for r, (_, _, m, _) in enumerate(entries):
+        for field in same:
+            if m[field] != meta0[field]:
+                raise IMergeMismatchError(f"{where}: worker {r} has {field} {m[field]} but worker 0 has "
+                                          f"{meta0[field]}")
+    return label, [m for _, _, m, _ in entries]
+
+
+def _wait(requests: list[Any], what: str) -> None:
+    """Poll ``requests`` with back-off until all complete; IMergeTimeoutError at ``timeout_s``."""
+    limit = runtime.config().timeout_s
+    start = time.monotonic()
+    backoff = Backoff()
+    while not MPI.Request.Testall(requests):
+        waited = time.monotonic() - start
+        if waited > limit:
+            raise record_fatal(IMergeTimeoutError(
+                f"{whoami()}: {what} did not complete within {limit:.0f} s after every worker had started it "
+                "(a worker died or stopped calling MPI)"))
+        backoff.idle(waited)
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the host and contiguous (itself when it already is)."""
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _raw(tensor: torch.Tensor) -> Any:
+    """A contiguous host tensor's bytes as a numpy uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _describe(tensor: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(tensor.shape), str(tensor.dtype)
+
+
+def _not_a_tensor(tensor: Any) -> str | None:
+    return None if isinstance(tensor, torch.Tensor) else f"expected a torch.Tensor, got {type(tensor).__name__}"
+
+
+# ---------------------------------------------------------------------- reductions
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What MPI reduces in: 16-bit floats go as float32 (MPI has no 16-bit float type)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor * factor``; integer tensors are scaled in float64 and truncated, as Horovod does."""
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point():
+        return tensor * factor
+    return (tensor.double() * factor).to(tensor.dtype)
+
+
+def _reduce_problem(tensor: Any) -> str | None:
+    if _not_a_tensor(tensor):
+        return _not_a_tensor(tensor)
+    if tensor.dtype not in _REDUCIBLE:
+        return f"dtype {tensor.dtype} cannot be reduced (use a floating or integer dtype)"
+    return None
+
+
+def _reduced(kind: str, tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp, prescale: float,
+             postscale: float) -> list[torch.Tensor]:
+    """``tensors`` reduced over the workers (new tensors, same dtype and device as each input)."""
+    problem = next((f"tensor {i}: {why}" for i, t in enumerate(tensors) if (why := _reduce_problem(t))), None)
+    meta = {"shapes": [_describe(t)[0] for t in tensors] if problem is None else [],
+            "dtypes": [_describe(t)[1] for t in tensors] if problem is None else [], "op": op.name}
+    label, _ = _agree(kind, name, meta, ("shapes", "dtypes", "op"), problem)
+    comm = _topology().worker_comm
+    mpi_op = getattr(MPI, _MPI_OPS[op])
+    sends = [_scale(_host(t).to(_compute_dtype(t.dtype)), prescale).contiguous() for t in tensors]
+    recvs = [torch.empty_like(s) for s in sends]
+    _wait([comm.Iallreduce(s.numpy(), r.numpy(), op=mpi_op) for s, r in zip(sends, recvs)], f"{kind} of {label!r}")
+    size = comm.Get_size()
+    return [_finish(r, op, size, postscale, t) for r, t in zip(recvs, tensors)]
+
+
+def _finish(result: torch.Tensor, op: ReduceOp, size: int, postscale: float, like: torch.Tensor) -> torch.Tensor:
+    if op is ReduceOp.Average:
+        result = result / size if result.is_floating_point() else torch.div(result, size, rounding_mode="trunc")
+    return _scale(result, postscale).to(dtype=like.dtype, device=like.device)
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    """Differentiable allreduce, as Horovod's: the gradient is allreduced with the same op and factors."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
+                postscale: float) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return _reduced("allreduce", [tensor], name, op, prescale, postscale)[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return _reduced("allreduce", [grad], None, ctx.op, ctx.prescale, ctx.postscale)[0], None, None, None, None
+
+
+def _differentiable(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
+    """``tensor`` reduced over every worker (default: averaged); the input is not modified.
+
+    Differentiable like Horovod's. 16-bit floats are reduced in float32; integer averages are truncated.
+    """
+    check_process_set(process_set, "allreduce")
+    op = resolve_op(op, average, "allreduce")
+    codec = _compressor(compression)
+    squeezed, ctx = codec.compress(tensor)
+    if _differentiable(squeezed):
+        result = _AllreduceFunction.apply(squeezed, name, op, prescale_factor, postscale_factor)
+    else:
+        result = _reduced("allreduce", [squeezed], name, op, prescale_factor, postscale_factor)[0]
+    return codec.decompress(result, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    """In-place ``allreduce``: ``tensor`` holds the result; returns it."""
+    check_process_set(process_set, "allreduce_")
+    op = resolve_op(op, average, "allreduce_")
+    return _write_back(tensor, _reduced("allreduce", [tensor], name, op, prescale_factor, postscale_factor)[0])
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = global_process_set) -> int:
+    """``allreduce`` run now; ``synchronize(handle)`` returns its result."""
+    check_process_set(process_set, "allreduce_async")
+    op = resolve_op(op, average, "allreduce_async")
+    return _handle(_reduced("allreduce", [tensor], name, op, prescale_factor, postscale_factor)[0])
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: Any = global_process_set) -> int:
+    """``allreduce_`` run now; ``synchronize(handle)`` returns ``tensor``."""
+    return _handle(allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
+    """Each tensor of ``tensors`` reduced over the workers, agreed as one op (not differentiable)."""
+    check_process_set(process_set, "grouped_allreduce")
+    op = resolve_op(op, average, "grouped_allreduce")
+    codec = _compressor(compression)
+    squeezed = [codec.compress(t) for t in tensors]
+    results = _reduced("grouped_allreduce", [t for t, _ in squeezed], name, op, prescale_factor, postscale_factor)
+    return [codec.decompress(r, ctx) for r, (_, ctx) in zip(results, squeezed)]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: Any = global_process_set) -> list[torch.Tensor]:
+    """In-place ``grouped_allreduce``; returns ``tensors``."""
+    check_process_set(process_set, "grouped_allreduce_")
+    op = resolve_op(op, average, "grouped_allreduce_")
+    results = _reduced("grouped_allreduce", list(tensors), name, op, prescale_factor, postscale_factor)
+    return [_write_back(t, r) for t, r in zip(tensors, results)]
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: Any = global_process_set) -> int:
+    """``grouped_allreduce`` run now; ``synchronize(handle)`` returns the list of results."""
+    return _handle(grouped_allreduce(tensors, average, name, Compression.none, op, prescale_factor, postscale_factor,
+                                     process_set))
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: Any = global_process_set) -> int:
+    """``grouped_allreduce_`` run now; ``synchronize(handle)`` returns ``tensors``."""
+    return _handle(grouped_allreduce_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def _write_back(tensor: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        tensor.copy_(result)
+    return tensor
+
+
+# ---------------------------------------------------------------------- allgather
+def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+    """Every worker's ``tensor`` concatenated along dim 0 in rank order (first dims may differ)."""
+    problem = _not_a_tensor(tensor)
+    flat = tensor.reshape(1) if problem is None and tensor.dim() == 0 else tensor
+    meta = {"rows": flat.shape[0] if problem is None else 0,
+            "shape after dim 0": tuple(flat.shape[1:]) if problem is None else (),
+            "dtype": str(flat.dtype) if problem is None else ""}
+    label, metas = _agree("allgather", name, meta, ("shape after dim 0", "dtype"), problem)
+    comm = _topology().worker_comm
+    rows = [m["rows"] for m in metas]
+    out = torch.empty((sum(rows), *flat.shape[1:]), dtype=flat.dtype)
+    counts = [r * _row_bytes(flat) for r in rows]
+    request = comm.Iallgatherv([_raw(_host(flat)), MPI.BYTE], [_raw(out), counts, _displacements(counts), MPI.BYTE])
+    _wait([request], f"allgather of {label!r}")
+    return out.to(tensor.device)
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    rest = 1
+    for d in tensor.shape[1:]:
+        rest *= d
+    return rest * tensor.element_size()
+
+
+def _displacements(counts: Sequence[int]) -> list[int]:
+    return [sum(counts[:i]) for i in range(len(counts))]
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    """Differentiable allgather, as Horovod's: the averaged gradient's rows of this worker."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+        ctx.rows = tensor.shape[0] if tensor.dim() else 1
+        ctx.scalar = tensor.dim() == 0
+        return _gathered(tensor, name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        reduced = _reduced("allreduce", [grad], None, ReduceOp.Average, 1.0, 1.0)[0]
+        rows = _gathered(torch.tensor([ctx.rows]), None).tolist()
+        offset = sum(rows[:runtime.topology().worker_rank])
+        mine = reduced.narrow(0, offset, ctx.rows)
+        return (mine.reshape(()) if ctx.scalar else mine), None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
+    """Every worker's ``tensor`` concatenated along dim 0 (their first dims may differ; a scalar counts as one row)."""
+    check_process_set(process_set, "allgather")
+    if _differentiable(tensor):
+        return _AllgatherFunction.apply(tensor, name)
+    return _gathered(tensor, name)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
+    """``allgather`` run now; ``synchronize(handle)`` returns its result."""
+    check_process_set(process_set, "allgather_async")
+    return _handle(_gathered(tensor, name))
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
+    """Every worker's picklable ``obj``, by rank."""
+    check_process_set(process_set, "allgather_object")
+    what = f"allgather_object of {name!r}" if name else "allgather_object"
+    return collective(_topology().worker_comm, "allgather", obj, what)
+
+
+# ---------------------------------------------------------------------- broadcast
+def _root_problem(root_rank: Any, size: int) -> str | None:
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        return f"root_rank {root_rank!r} is not a worker rank (0 .. {size - 1})"
+    return None
+
+
+def _broadcasted(tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` on every worker (a new tensor; shapes and dtypes must match)."""
+    topo = _topology()
+    problem = _not_a_tensor(tensor) or _root_problem(root_rank, topo.num_workers)
+    shape, dtype = _describe(tensor) if _not_a_tensor(tensor) is None else ((), "")
+    label, _ = _agree("broadcast", name, {"shape": shape, "dtype": dtype, "root_rank": root_rank},
+                      ("root_rank", "shape", "dtype"), problem)
+    if topo.worker_rank == root_rank:
+        buffer = _host(tensor).clone()
+    else:
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
+    _wait([topo.worker_comm.Ibcast([_raw(buffer), MPI.BYTE], root=root_rank)], f"broadcast of {label!r}")
+    return buffer.to(tensor.device)
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    """Differentiable broadcast, as Horovod's: the averaged gradient on the root, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
+        ctx.root_rank = root_rank
+        return _broadcasted(tensor, root_rank, name)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        reduced = _reduced("allreduce", [grad], None, ReduceOp.Average, 1.0, 1.0)[0]
+        if runtime.topology().worker_rank != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = global_process_set) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` as a new tensor on every worker; the input is not modified."""
+    check_process_set(process_set, "broadcast")
+    if _differentiable(tensor):
+        return _BroadcastFunction.apply(tensor, root_rank, name)
+    return _broadcasted(tensor, root_rank, name)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: Any = global_process_set) -> torch.Tensor:
+    """In-place ``broadcast``: ``tensor`` holds ``root_rank``'s values; returns it."""
+    check_process_set(process_set, "broadcast_")
+    result = _broadcasted(tensor, root_rank, name)
+    return tensor if runtime.topology().worker_rank == root_rank else _write_back(tensor, result)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = global_process_set) -> int:
+    """``broadcast`` run now; ``synchronize(handle)`` returns its result."""
+    check_process_set(process_set, "broadcast_async")
+    return _handle(_broadcasted(tensor, root_rank, name))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: Any = global_process_set) -> int:
+    """``broadcast_`` run now; ``synchronize(handle)`` returns ``tensor``."""
+    return _handle(broadcast_(tensor, root_rank, name, process_set))
+
+
+# ---------------------------------------------------------------------- alltoall, reducescatter
+def _split_rows(tensor: torch.Tensor, splits: Any, size: int) -> tuple[list[int], str | None]:
+    """Rows of ``tensor`` sent to each worker, and a problem if ``splits`` does not fit."""
+    if tensor.dim() == 0:
+        return [0] * size, "a scalar cannot be split along dim 0"
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % size:
+            return [0] * size, f"dim 0 ({rows}) is not divisible by {size} workers; pass splits="
+        return [rows // size] * size, None
+    values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+    if len(values) != size or any(int(v) != v or v < 0 for v in values) or sum(values) != rows:
+        return [0] * size, f"splits {values} must be {size} non-negative integers summing to dim 0 ({rows})"
+    return [int(v) for v in values], None
+
+
+def _exchanged(tensor: torch.Tensor, splits: Any, name: str | None) -> tuple[torch.Tensor, list[int]]:
+    """Rows ``splits[j]`` of ``tensor`` go to worker j; returns what arrived (by rank) and the rows per sender."""
+    topo = _topology()
+    problem = _not_a_tensor(tensor)
+    rows, bad = ([0] * topo.num_workers, problem) if problem else _split_rows(tensor, splits, topo.num_workers)
+    meta = {"splits": rows, "shape after dim 0": tuple(tensor.shape[1:]) if not problem else (),
+            "dtype": str(tensor.dtype) if not problem else ""}
+    label, metas = _agree("alltoall", name, meta, ("shape after dim 0", "dtype"), bad)
+    received = [m["splits"][topo.worker_rank] for m in metas]
+    row_bytes = _row_bytes(tensor)
+    out = torch.empty((sum(received), *tensor.shape[1:]), dtype=tensor.dtype)
+    send_counts = [r * row_bytes for r in rows]
+    recv_counts = [r * row_bytes for r in received]
+    request = topo.worker_comm.Ialltoallv(
+        [_raw(_host(tensor)), send_counts, _displacements(send_counts), MPI.BYTE],
+        [_raw(out), recv_counts, _displacements(recv_counts), MPI.BYTE])
+    _wait([request], f"alltoall of {label!r}")
+    return out.to(tensor.device), received
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: Any = global_process_set) -> Any:
+    """Rows ``splits[j]`` of ``tensor`` to worker j (default: equal parts); the rows received, by sender.
+
+    With ``splits`` given, also returns the received splits (as Horovod: a tensor like ``splits``,
+    int32 on the CPU for a list). Not differentiable.
+    """
+    check_process_set(process_set, "alltoall")
+    out, received = _exchanged(tensor, splits, name)
+    if splits is None:
+        return out
+    like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
+    return out, torch.tensor(received, dtype=like.dtype, device=like.device)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: Any = global_process_set) -> int:
+    """``alltoall`` run now; ``synchronize(handle)`` returns (output, received splits) as Horovod's."""
+    check_process_set(process_set, "alltoall_async")
+    out, received = _exchanged(tensor, splits, name)
+    like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
+    return _handle((out, torch.tensor(received, dtype=like.dtype, device=like.device)))
+
+
+def scatter_rows(rows: int, size: int) -> list[int]:
+    """Horovod's reducescatter split of dim 0: the first ``rows % size`` workers get one row more."""
+    return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+
+
+def _scattered(tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
+               postscale: float) -> torch.Tensor:
+    """``tensor`` reduced over the workers; this worker's rows of it (``scatter_rows``)."""
+    problem = _reduce_problem(tensor)
+    if problem is None and tensor.dim() == 0:
+        problem = "a scalar cannot be scattered along dim 0"
+    shape, dtype = _describe(tensor) if problem is None else ((), "")
+    label, _ = _agree("reducescatter", name, {"shape": shape, "dtype": dtype, "op": op.name},
+                      ("shape", "dtype", "op"), problem)
+    topo = _topology()
+    rows = scatter_rows(tensor.shape[0], topo.num_workers)
+    per_row = tensor[0:1].numel() if tensor.shape[0] else 0
+    send = _scale(_host(tensor).to(_compute_dtype(tensor.dtype)), prescale).contiguous()
+    recv = torch.empty((rows[topo.worker_rank], *tensor.shape[1:]), dtype=send.dtype)
+    request = topo.worker_comm.Ireduce_scatter(send.numpy(), recv.numpy(), [r * per_row for r in rows],
+                                               op=getattr(MPI, _MPI_OPS[op]))
+    _wait([request], f"reducescatter of {label!r}")
+    return _finish(recv, op, topo.num_workers, postscale, tensor)
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
+                  op: Any = ReduceOp.Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """``tensor`` reduced over the workers (default: averaged), this worker's part of dim 0. Not differentiable."""
+    check_process_set(process_set, "reducescatter")
+    codec = _compressor(compression)
+    squeezed, ctx = codec.compress(tensor)
+    result = _scattered(squeezed, name, reduce_op(op, "reducescatter"), prescale_factor, postscale_factor)
+    return codec.decompress(result, ctx)
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.Average,
+                        process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """``reducescatter`` run now; ``synchronize(handle)`` returns its result."""
+    return _handle(reducescatter(tensor, name, Compression.none, op, process_set, prescale_factor, postscale_factor))
+
+
+# ---------------------------------------------------------------------- handles, barrier, join
+_handles: dict[int, Any] = {}
+_handle_ids = itertools.count(1)
+
+
+def _handle(result: Any) -> int:
+    handle = next(_handle_ids)
+    _handles[handle] = result
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """Whether ``handle``'s op completed: always True (IMerge runs ``*_async`` ops eagerly)."""
+    if handle not in _handles:
+        raise IMergeUsageError(f"{whoami()}: poll(): unknown handle {handle!r} (synchronized already, or not a handle)")
+    return True
+
+
+def synchronize(handle: int) -> Any:
+    """The result of ``handle``'s op (None for an unknown handle, as Horovod)."""
+    return _handles.pop(handle, None)
+
+
+def barrier(process_set: Any = global_process_set) -> None:
+    """Return when every worker has called ``barrier()`` (with a deadline)."""
+    check_process_set(process_set, "barrier")
+    collective(_topology().worker_comm, "barrier", None, "barrier()")
+
+
+def join(device: int = -1) -> int:
+    """Horovod's ``join(device)``: ``imerge_hooks.runtime.join()`` (``device`` is not needed)."""
+    return runtime.join()
+
+
+# ---------------------------------------------------------------------- start-up and information
+_cross: tuple[int, int, bool] | None = None  # (cross_rank, cross_size, homogeneous)
+
+
+def init(num_servers: int | None = None, *, serve: str = "forever", **config: Any) -> None:
+    """``runtime.init`` (collective over COMM_WORLD: servers serve there and exit), then on the workers
+    the host layout behind ``cross_rank()``/``cross_size()`` (a worker collective), so those are local."""
+    runtime.init(num_servers, serve=serve, **config)
+    if not runtime.topology().is_server:
+        _host_layout()
+
+
+def _host_layout() -> tuple[int, int, bool]:
+    """Cross rank/size (workers with this local rank, one per host) and homogeneity; a worker
+    collective the first time (``init()`` does it, so the info functions are local afterwards)."""
+    global _cross
+    if _cross is None:
+        topo = _topology()
+        ranks = collective(topo.worker_comm, "allgather", (topo.local_rank, topo.local_size),
+                           "the workers' local ranks (cross_rank, cross_size)")
+        peers = [r for r, (local, _) in enumerate(ranks) if local == topo.local_rank]
+        _cross = (peers.index(topo.worker_rank), len(peers), len({size for _, size in ranks}) == 1)
+    return _cross
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` has run in this process."""
+    return runtime.is_initialized()
+
+
+def cross_rank() -> int:
+    """This worker's host index among the hosts with a worker of its local rank (Horovod's cross rank)."""
+    return _host_layout()[0]
+
+
+def cross_size() -> int:
+    """How many hosts have a worker with this worker's local rank (the number of hosts, when homogeneous)."""
+    return _host_layout()[1]
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of workers."""
+    return _host_layout()[2]
+
+
+def mpi_threads_supported() -> bool:
+    """True: IMerge needs MPI_THREAD_MULTIPLE (its comm thread calls MPI)."""
+    return True
+
+
+def mpi_enabled() -> bool:
+    """True: IMerge runs over MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """True: IMerge runs over MPI (mpi4py)."""
+    return True
+
+
+def gloo_enabled() -> bool:
+    """False: IMerge has no Gloo controller."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: IMerge has no Gloo controller."""
+    return False
+
+
+def nccl_built() -> bool:
+    """False: IMerge's collectives never use NCCL (tensors go through host memory over MPI)."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: no IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: no oneCCL."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether this torch was built with CUDA (CUDA tensors are accepted; they are staged through the host)."""
+    return bool(torch.backends.cuda.is_built())
+
+
+def rocm_built() -> bool:
+    """False: ROCm builds are not supported."""
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Refused: IMerge's timeline is chosen at start-up."""
+    raise IMergeConfigError("IMerge: start_timeline is not supported; set IMERGE_TIMELINE=path (or "
+                            "imerge_hooks.init(timeline=path)) to write a Chrome trace of the whole run")
+
+
+def stop_timeline() -> None:
+    """Refused: IMerge's timeline is chosen at start-up."""
+    raise IMergeConfigError("IMerge: stop_timeline is not supported; the IMERGE_TIMELINE trace covers the whole run")
