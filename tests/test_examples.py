@@ -18,8 +18,15 @@ def result_line(run) -> str:
     return next(line for line in run.stdout.splitlines() if line.startswith("RESULT"))
 
 
-def test_horovod_style_learns_digits(env):
-    run = run_mpi(EXAMPLES / "horovod_style.py", 3, "--epochs", "2", servers=1, env=env, timeout=150).check()
+def test_horovod_style_learns_digits_and_resumes(env, tmp_path):
+    """Horovod's patterns: fp16 compression, backward_passes_per_step, metric allreduce, then a
+    second launch that resumes from worker 0's checkpoint by broadcasting epoch and state."""
+    ckpt = str(tmp_path / "ckpt.pt")
+    common = ("--checkpoint", ckpt, "--fp16-allreduce", "--batches-per-allreduce", "2")
+    run_mpi(EXAMPLES / "horovod_style.py", 3, "--epochs", "1", *common, servers=1, env=env, timeout=150).check()
+    run = run_mpi(EXAMPLES / "horovod_style.py", 3, "--epochs", "2", *common, servers=1, env=env,
+                  timeout=150).check()
+    assert "resumed at epoch 1" in run.stdout and "epoch 0:" not in run.stdout
     assert float(result_line(run).split("val_acc=")[1]) > 0.8
 
 
