@@ -10,7 +10,7 @@ from typing import Any
 # Options of the whole process, set by imerge_hooks.init() (or IMERGE_* env vars); every other
 # option belongs to one engine (DistributedOptimizer, IMergeHookState, IMergeStrategy's optimizers).
 PROCESS_OPTIONS = frozenset({"num_servers", "timeout_s", "stall_warning_s", "polling", "cost_model_path",
-                             "calibrate", "timeline"})
+                             "calibrate", "timeline", "debug_delay_per_mb_s"})
 SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
 
 
@@ -42,6 +42,10 @@ SCHEDULE_TRAITS: dict[str, ScheduleTraits] = {
 }
 
 _MiB = 1 << 20
+# Defaults shared by Config, the planner and the simulator.
+PARTITION_BYTES = 4 * _MiB
+CREDIT_BYTES = 8 * _MiB  # A/B of other sizes: benchmarks/run.py --alternate credit_bytes=...
+FUSION_THRESHOLD_BYTES = 25 * _MiB
 RESULT_WINDOW_BYTES: int | None = None  # the default of Config.result_window_bytes (and simulate)
 TAIL_CREDIT_BYTES: int | None = 1 * _MiB  # the default of Config.tail_credit_bytes (and simulate)
 
@@ -53,9 +57,9 @@ class Config:
     num_servers: int | None = None
     schedule: str = "imerge"
     backward_passes_per_step: int = 1
-    partition_bytes: int = 4 * _MiB
-    credit_bytes: int = 8 * _MiB  # A/B of other sizes: benchmarks/run.py --alternate credit_bytes=...
-    fusion_threshold_bytes: int = 25 * _MiB
+    partition_bytes: int = PARTITION_BYTES
+    credit_bytes: int = CREDIT_BYTES
+    fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES
     # None: off; it did not pay on the emulated cluster (benchmarks/run.py --alternate; see schedule.py)
     result_window_bytes: int | None = RESULT_WINDOW_BYTES
     # Partitioned, planned schedules (imerge): while the next forward's first gradients are due,
@@ -76,6 +80,10 @@ class Config:
     # While workers have joined (imerge_hooks.join()): "workers" divides every sum by the number of
     # workers (their missing pushes count as zeros: Horovod, DDP's Join), "active" by those that pushed.
     join_divisor: str = "workers"
+    # For tests: engines record (event, module, time, detail) of the overlap in ``engine.events``;
+    # servers hold every result this many seconds per MB (not calibration keys) before sending it.
+    record_events: bool = False
+    debug_delay_per_mb_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.compression, str):  # Compression.fp16 (a compressor class): its name

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 
@@ -70,7 +69,7 @@ class GradientEngine:
         self._warned_unpredicted = False
         self._flush_hooked: set[int] = set()  # modules with a state_dict pre-hook that flushes
         # (event, module name, monotonic time, detail): for tests and timelines
-        self.events: list | None = [] if os.environ.get("IMERGE_RECORD_EVENTS") else None
+        self.events: list | None = [] if config.record_events else None
         # First guess of the ready order: reverse registration order (as DDP assumes).
         self.trainable = [bool(p.requires_grad) for p in self.params]  # frozen ones sit out of the layout
         initial = self._one_per_tensor()

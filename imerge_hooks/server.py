@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -113,7 +112,7 @@ class Server:
         # from the same buffer, are still going out: their pushes wait, the loop goes on.
         self._sends_pending: dict[int, _KeyState] = {}
         # Test/debug aid: answer each key only after nbytes * delay (emulates a slow link, without blocking).
-        self._delay_per_byte = float(os.environ.get("IMERGE_DEBUG_DELAY_PER_MB_S", "0") or 0) / 1e6
+        self._delay_per_byte = config.debug_delay_per_mb_s / 1e6
         self._delayed: list[tuple[float, int, list[int], int]] = []
         self.timeline = timeline  # IMERGE_TIMELINE: this server's track
         self.bytes_in = 0

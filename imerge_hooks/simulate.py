@@ -93,7 +93,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import RESULT_WINDOW_BYTES, SCHEDULE_TRAITS, SCHEDULES, TAIL_CREDIT_BYTES
+from .config import (
+    CREDIT_BYTES,
+    FUSION_THRESHOLD_BYTES,
+    PARTITION_BYTES,
+    RESULT_WINDOW_BYTES,
+    SCHEDULE_TRAITS,
+    SCHEDULES,
+    TAIL_CREDIT_BYTES,
+)
 from .layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
 from .plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from .plan.planner import Plan, plan
@@ -101,7 +109,6 @@ from .plan.search import candidate_plans, searched_plan
 from .schedule import ReadyQueue, SendWindows, key_slots, shared_order, tail_group
 from .timeline import dump_trace, lane_metadata, span_event, track_metadata
 
-_MiB = 1 << 20
 # Sizes that calibrate_model "measures" (the grid of imerge_hooks.plan.calibrate: 1 KiB .. 64 MiB).
 EVENT_KINDS = ("forward", "backward", "push", "pull", "wait", "update")
 
@@ -923,10 +930,10 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = 4 * _MiB,
-             credit_bytes: int = 8 * _MiB, result_window_bytes: int | None = RESULT_WINDOW_BYTES,
+def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = PARTITION_BYTES,
+             credit_bytes: int = CREDIT_BYTES, result_window_bytes: int | None = RESULT_WINDOW_BYTES,
              tail_credit_bytes: int | None = TAIL_CREDIT_BYTES,
-             fusion_threshold_bytes: int = 25 * _MiB,
+             fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
              plan_search: bool = True) -> SimResult:

@@ -22,7 +22,7 @@ def train(tmp_path, name, workers, servers, *args):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])  # more cells: the model zoo
+@pytest.mark.parametrize("workers,servers", [(2, 1)])  # 2 servers: the planned fusion test below
 def test_hook_matches_ddp_allreduce(tmp_path, workers, servers):
     ref = train(tmp_path, "allreduce", workers, servers)
     ours = train(tmp_path, "hook", workers, servers, "--hook")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import FUSION_THRESHOLD_BYTES
 from .costmodel import CostModel, LinearModel
 
 METHODS = ("none", "threshold", "mgwfbp", "optimal")
@@ -190,7 +191,7 @@ def _plan_optimal(sizes: Sequence[float], ready: np.ndarray, run_start: list[int
 
 
 def plan(sizes: Sequence[float], ready_times: Sequence[float], cost_model: CostModel,
-         method: str, *, fusion_threshold_bytes: float = 25 * _MiB,
+         method: str, *, fusion_threshold_bytes: float = FUSION_THRESHOLD_BYTES,
          dtypes: Sequence[str] | None = None) -> Plan:
     """Group tensors (given in gradient-ready order) into messages with ``method``.
 
