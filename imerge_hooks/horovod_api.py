@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from .collectives import collective
 from .errors import IMergeConfigError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .failure import record_fatal, whoami
 from .layout import Compression
-from .polling import Backoff
+from .polling import DeadlineWait
 from .topology import Topology
 
 
@@ -174,16 +173,13 @@ def _agree(kind: str, name: str | None, meta: dict[str, Any], same: Sequence[str
 
 def _wait(requests: list[Any], what: str) -> None:
     """Poll ``requests`` with back-off until all complete; IMergeTimeoutError at ``timeout_s``."""
-    limit = runtime.config().timeout_s
-    start = time.monotonic()
-    backoff = Backoff()
+    wait = DeadlineWait(runtime.config().timeout_s)
     while not MPI.Request.Testall(requests):
-        waited = time.monotonic() - start
-        if waited > limit:
+        if wait.expired():
             raise record_fatal(IMergeTimeoutError(
-                f"{whoami()}: {what} did not complete within {limit:.0f} s after every worker had started it "
-                "(a worker died or stopped calling MPI)"))
-        backoff.idle(waited)
+                f"{whoami()}: {what} did not complete within {wait.limit_s:.0f} s after every worker had started "
+                "it (a worker died or stopped calling MPI)"))
+        wait.idle(wait.elapsed())  # sleeps grow with the wait (a large transfer polls less often)
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,11 @@ class DeadlineWait(Backoff):
     def __init__(self, limit_s: float, spin_s: float | None = None) -> None:
         super().__init__(spin_s)
         self.limit_s = limit_s
-        self.deadline = time.monotonic() + limit_s
+        self.started = time.monotonic()
+        self.deadline = self.started + limit_s
 
     def expired(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) > self.deadline
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started

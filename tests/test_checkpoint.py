@@ -11,8 +11,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "checkpoint.py"
 
 
 @pytest.mark.parametrize("schedule", ["imerge"])  # deferred updates: the harder case (wfbp: the model zoo)
-def test_resume_equals_uninterrupted(tmp_path, schedule):
-    env = {"IMERGE_COST_MODEL_PATH": str(tmp_path / "ps-{workers}w-{servers}s-{hosts}.json")}
+def test_resume_equals_uninterrupted(tmp_path, cost_model_dir, schedule):
+    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json")}
     whole, part, resumed, ckpt = (str(tmp_path / n) for n in ("whole.pt", "part.pt", "resumed.pt", "ckpt.pt"))
     run_mpi(SCRIPT, 4, whole, schedule, "0", "8", servers=2, env=env, timeout=150).check()
     run_mpi(SCRIPT, 4, part, schedule, "0", "4", "-", ckpt, servers=2, env=env, timeout=150).check()
