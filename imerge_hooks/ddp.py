@@ -85,11 +85,14 @@ class IMergeHookState:
 
     def __getstate__(self) -> dict[str, Any]:
         """What a checkpoint, ``pickle`` or ``deepcopy`` keeps: the settings, not the communicator
-        and buffers (as PowerSGD's state drops its process group); ``__setstate__`` re-attaches."""
-        return {"cfg": self.cfg, "names": self.names}
+        and buffers (as PowerSGD's state drops its process group); ``__setstate__`` re-attaches.
+        Tensor names are keyed by object identity, which means nothing in another process, so a
+        restored state names bucket tensors by position (the same on every worker)."""
+        return {"cfg": self.cfg}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.names = {}
         if not runtime.is_initialized():
             runtime.init()
         self._attach()
@@ -103,10 +106,6 @@ class IMergeHookState:
         self.iteration_open = False
         self.outstanding: dict[int, tuple[torch.Tensor, torch.futures.Future]] = {}  # this iteration's buckets
         self.collected: dict[int, tuple] = {}  # buckets of a new layout, pushed once the last one is in
-
-    @property
-    def policy(self):
-        return None if self.engine is None else self.engine.policy
 
     def _describe(self, bucket: dist.GradBucket) -> tuple:
         buffer = bucket.buffer()

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, NoReturn
 
 from ._mpi import MPI
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from .topology import Topology
 
 log = logging.getLogger("imerge")
+
+ABORT_FORWARD_S = 0.5  # time for the process manager to forward the last words before MPI_Abort
 
 _topology: Topology | None = None
 _fatal_error: BaseException | None = None
@@ -66,6 +69,9 @@ def abort(message: str, code: int = 1) -> NoReturn:
             stream.flush()
         except (OSError, ValueError):
             pass
+    # MPI_Abort makes the process manager kill every rank at once; what this rank wrote and its
+    # proxy has not read from the pipe yet (the message naming the failure) would be lost.
+    time.sleep(ABORT_FORWARD_S)
     if MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.COMM_WORLD.Abort(code)
     os._exit(code)  # MPICH's Abort can return before the process manager ends this rank: run no atexit
