@@ -75,6 +75,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.netlab import netlab as nl  # noqa: E402
+from benchmarks.netlab.cpumon import CpuMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import LinkMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import summarize as summarize_links  # noqa: E402
 from benchmarks.timeline_report import format_report  # noqa: E402
@@ -83,12 +84,16 @@ from benchmarks.timeline_report import report as timeline_report  # noqa: E402
 WORKER = REPO / "benchmarks" / "worker_replay.py"
 PROFILES = REPO / "benchmarks" / "profiles"
 DEFAULT_OUT = REPO / "benchmarks" / "results"
-MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
+MODELS = ("resnet18", "vgg16", "alexnet", "resnet50", "synthetic")
 FUSION = ("threshold", "mgwfbp", "adaptive-ps")
 SCHEDULES = ("default", "wfbp", "priority", "mgwfbp", "imerge")
+PEERS = ("ddp", "ddp-tuned", "mpi-allreduce")  # all-reduce over the workers (benchmarks/peers.py)
 PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")
-RUN_ORDER = ("default", "wfbp", "priority", "mgwfbp", "imerge", "threshold", "adaptive-ps")
-GOODPUT = nl.GOODPUT
+RUN_ORDER = ("ddp", "ddp-tuned", "mpi-allreduce", "default", "wfbp", "priority", "mgwfbp", "imerge", "threshold",
+             "adaptive-ps")
+GOODPUT = nl.GOODPUT  # of the lab's MTU: main() sets it from --mtu
+FABRIC_OK = 0.95  # a faithful emulator: the fabric probe moves at least this fraction of the links' nominal rate
+CPU_OK = 0.5  # ... and the machine is less than this busy during the timed iterations
 FALLBACK_STARTUP_S = 200e-6  # per-push server work when no calibrated model exists (--sim-startup-us)
 
 
@@ -134,10 +139,27 @@ def model_facts(model: str, time_scale: float) -> dict:
             "batch_size": int(p["batch_size"]), "tensors": sum(len(layer["params"]) for layer in p["layers"])}
 
 
-def physical_bound(facts: dict, workers: int, servers: int, bandwidth_Bps: float) -> dict:
-    """max(compute, max(W/S, 1) * bytes / B): a server port must take W/S of all pushes, a worker
-    port must carry its own bytes (for W >= S the issue's W * bytes / (S * B))."""
-    comm = max(workers / servers, 1.0) * facts["bytes"] / bandwidth_Bps
+def servers_for(spec: str, workers: int) -> int:
+    """S for W from ``--servers``: an int, or ``W`` (a server per worker) or ``W/2`` (at least 1)."""
+    spec = str(spec).strip().upper()
+    if spec == "W":
+        return workers
+    if spec == "W/2":
+        return max(1, workers // 2)
+    return int(spec)
+
+
+def physical_bound(facts: dict, workers: int, servers: int, bandwidth_Bps: float, schedule: str = "imerge") -> dict:
+    """The schedule's own bound. A PS: max(compute, max(W/S, 1) * bytes / B) (a server port must
+    take W/S of all pushes, a worker port must carry its own bytes; for W >= S the issue's
+    W * bytes / (S * B)). An all-reduce peer: max(compute, 2 (W-1)/W * bytes / B) (every worker's
+    link carries 2 (W-1)/W of the bytes each way in a ring)."""
+    if schedule in PEERS:
+        from imerge_hooks.simulate_allreduce import allreduce_bound_s
+
+        comm = allreduce_bound_s(facts["bytes"], workers, bandwidth_Bps)
+    else:
+        comm = max(workers / servers, 1.0) * facts["bytes"] / bandwidth_Bps
     return {"compute_s": facts["compute_s"], "comm_s": comm, "bound_s": max(facts["compute_s"], comm)}
 
 
@@ -154,7 +176,7 @@ def cached_psmodel(cache_dir: Path, workers: int, servers: int):
         return None
 
 
-def stored_psmodels(calibration: dict, servers: int) -> dict:
+def stored_psmodels(calibration: dict, servers_of) -> dict:
     """The PS models a run's JSON recorded (its ``calibration``: table and fit per W), by W.
 
     ``--resume --no-measure`` falls back on them where ``<out-dir>/cache`` has no model for that W
@@ -165,7 +187,7 @@ def stored_psmodels(calibration: dict, servers: int) -> dict:
     out = {}
     for w, c in calibration.items():
         try:
-            out[int(w)] = PSModel(workers=int(w), servers=servers, sizes=list(c["table"]["bytes"]),
+            out[int(w)] = PSModel(workers=int(w), servers=servers_of(int(w)), sizes=list(c["table"]["bytes"]),
                                   times=list(c["table"]["time_s"]), a=c["a_s"],
                                   bandwidth=c["bandwidth_Bps_per_server"])
         except (KeyError, TypeError, ValueError):
@@ -198,12 +220,32 @@ def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidt
     cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=bandwidth_Bps * GOODPUT,
                           startup_s=startup_s, time_scale=time_scale, fabric_Bps=fabric_Bps,
                           share_cv=cv, share_period_s=period, share_seed=seed)
+    if schedule in PEERS:
+        return simulate_peer(spec, cluster, schedule, plan)
     fixed = {}
     if plan is not None:
         fixed["groups"] = plan["groups"]
         if plan.get("partition_bytes"):
             fixed["partition_bytes"] = plan["partition_bytes"]
+        if plan.get("stagger") is not None:
+            fixed["stagger"] = plan["stagger"]
     return simulate(spec, cluster, schedule, cost_model=cost_model, timeline=timeline, **fixed)
+
+
+def simulate_peer(spec, cluster, schedule: str, plan: dict | None = None):
+    """A peer on the simulator's ring all-reduce model (``imerge_hooks.simulate_allreduce``).
+    ``ddp-tuned``: the cap that a launch chose (``plan["bucket_cap_mb"]``), else the fastest
+    simulated cap of ``peers.ddp_caps``, as worker_replay tunes it on the emulated cluster."""
+    from benchmarks.peers import ddp_caps
+    from imerge_hooks.simulate_allreduce import simulate_allreduce
+
+    if schedule == "mpi-allreduce":
+        return simulate_allreduce(spec, cluster, "mpi-allreduce")
+    caps = [25.0] if schedule == "ddp" else ddp_caps(spec.total_bytes)
+    if plan and plan.get("bucket_cap_mb"):
+        caps = [plan["bucket_cap_mb"]]
+    runs = [simulate_allreduce(spec, cluster, "ddp", bucket_bytes=int(cap * 1024 * 1024)) for cap in caps]
+    return min(runs, key=lambda r: r.iteration_s)
 
 
 def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scale: float,
@@ -221,7 +263,8 @@ def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scal
         return None
     spec = ModelSpec.from_profile_json(PROFILES / f"{model}-cpu.json")
     res = simulate(spec, replace(cluster, time_scale=time_scale), schedule, cost_model=cost_model, timeline=False)
-    return {"groups": res.groups, "partition_bytes": res.plan.partition_bytes if res.plan else None}
+    return {"groups": res.groups, "partition_bytes": res.plan.partition_bytes if res.plan else None,
+            "stagger": res.plan.stagger if res.plan else None}
 
 
 def validation_plan(run: dict, servers: int, time_scale: float, cost_model) -> tuple[dict | None, str]:
@@ -229,6 +272,9 @@ def validation_plan(run: dict, servers: int, time_scale: float, cost_model) -> t
     installed (``worker_replay`` reports it), else, for runs measured before it did, the one
     :func:`engine_plan` re-derives (which can differ: the search saw another profile, or the launch
     set ``IMERGE_PLAN_SEARCH`` / ``IMERGE_PARTITION_BYTES``), else the schedule's own."""
+    if run["schedule"] in PEERS:
+        cap = run.get("bucket_cap_mb")
+        return ({"bucket_cap_mb": cap}, "the launch's bucket cap") if cap else (None, "the peer's rule")
     installed = run.get("plan")
     if installed and installed.get("groups"):
         return installed, "installed"
@@ -243,6 +289,8 @@ def transfer_class(schedule: str) -> str:
     ``results/RESULTS.md``), so the simulator's sharing model takes its CV per class."""
     from imerge_hooks.config import SCHEDULE_TRAITS
 
+    if schedule in PEERS:
+        return "all-reduce"
     return "partitioned" if SCHEDULE_TRAITS[schedule].partition else "whole"
 
 
@@ -311,7 +359,8 @@ def estimate_peak_memory(nbytes: int, workers: int, servers: int, shared: bool) 
 def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str | None = None,
             baseline: bool = False) -> dict:
     """One mpiexec launch over the lab: every schedule of ``job`` for one model and W."""
-    W, S = job.workers, args.servers
+    W = job.workers
+    S = servers_for(args.servers, W)
     hosts = W + S
     argv = [sys.executable, str(WORKER), "--model", job.model, "--schedules", ",".join(job.schedules),
             "--time-scale", repr(args.time_scale), "--iters", str(job.iters or args.iters),
@@ -320,7 +369,9 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
         (["--alternate", args.alternate] if args.alternate else [])
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "IMERGE_NUM_SERVERS": str(S),
            "IMERGE_COST_MODEL_PATH": str(cache_dir / "psmodel-{workers}w-{servers}s-{hosts}.json"),
-           "IMERGE_TIMEOUT_S": str(int(args.imerge_timeout)), "PYTHONPATH": str(REPO)}
+           "IMERGE_TIMEOUT_S": str(int(args.imerge_timeout)), "PYTHONPATH": str(REPO),
+           # the peers' gloo group (DDP) meets at worker 0's lab address, over the lab's veths
+           "MASTER_ADDR": nl.host_addr(0), "GLOO_SOCKET_IFNAME": nl.IFACE}
     env.update(args.rank_env)
     if timeline_path:
         env["IMERGE_TIMELINE"] = timeline_path
@@ -361,7 +412,8 @@ def run_job(job: Job, args, cache_dir: Path, log_dir: Path, timeline_path: str |
 
 
 def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float) -> dict:
-    W, S = job.workers, args.servers
+    W = job.workers
+    S = servers_for(args.servers, W)
     hosts = W + S
     counters0 = [nl.link_counters(i, args.prefix) for i in range(hosts)]
     monitor = LinkMonitor(hosts, args.prefix, interval_s=args.link_monitor).start() if args.link_monitor > 0 else None
@@ -371,6 +423,7 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
     rankinfo: list[dict] = []
     with open(log_dir / f"{tag}.stderr", "w") as err, open(log_dir / f"{tag}.stdout", "w") as out:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=os.setsid)
+        cpu_monitor = CpuMonitor(proc.pid, interval_s=0.25).start()
         timed_out = threading.Event()
 
         def kill_after() -> None:
@@ -402,6 +455,11 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
                     rankinfo.append(doc)
         rc = proc.wait()
     wall = time.perf_counter() - t0
+    cpu_monitor.stop()
+    for r in results:  # how busy the whole machine was during each schedule's timed iterations
+        window = r.get("timed_monotonic_s")
+        r["machine_busy"] = cpu_monitor.busy_fraction(*window) if window else None
+        r["ranks_cpu"] = cpu_monitor.ranks_fraction(*window) if window else None
     links = None
     if monitor is not None:
         monitor.stop()
@@ -441,6 +499,39 @@ def _launch(job: Job, args, cmd: list[str], tag: str, log_dir: Path, need: float
             f"missing {missing}; stderr tail:\n{tail}")
         info["missing"] = missing
     return {"results": results, "info": info}
+
+
+def scale_check(args, runs: list[dict], servers_of, facts: dict, log_dir: Path) -> dict:
+    """Halve the link rate and double the compute of one measured cell: if the emulator (not the
+    2-core host) sets the times, the iteration takes twice as long (the check passes within 5%)."""
+    import copy
+
+    model, workers, schedule = args.scale_check.split(":")
+    workers = int(workers)
+    ref = next((r for r in runs if (r["model"], r["workers"], r["schedule"]) == (model, workers, schedule)), None)
+    if ref is None:
+        log(f"[scale check] {args.scale_check} was not measured in this run: skipped")
+        return {"cell": args.scale_check, "skipped": "not measured in this run"}
+    half = copy.copy(args)
+    rate = nl.parse_rate(args.bandwidth) // 2
+    half.bandwidth, half.bandwidth_Bps, half.time_scale = nl.format_rate(rate), rate / 8.0, 2 * args.time_scale
+    cache = Path(args.out_dir).resolve() / "cache" / nl.format_rate(rate)
+    cache.mkdir(parents=True, exist_ok=True)
+    nl.up(hosts=workers + servers_of(workers), bandwidth=half.bandwidth, prefix=args.prefix, mtu=args.mtu)
+    log(f"[scale check] {model} W={workers} {schedule} at {half.bandwidth} with time scale {half.time_scale:g}")
+    job = Job(model, workers, [schedule], 4 * ref["iteration_s"] * (ref["iters"] + 6) + 120, facts[model]["bytes"])
+    job.iters = ref["iters"]
+    out = run_job(job, half, cache, log_dir)
+    got = next((r for r in out["results"] if r["schedule"] == schedule), None)
+    result = {"cell": args.scale_check, "reference_s": ref["iteration_s"], "bandwidth": half.bandwidth,
+              "time_scale": half.time_scale, "measured_s": got["iteration_s"] if got else None}
+    if got:
+        result["ratio"] = got["iteration_s"] / (2 * ref["iteration_s"])
+        result["pass"] = abs(result["ratio"] - 1) <= 0.05
+        log(f"[scale check] {got['iteration_s']:.3f} s/iter against 2 x {ref['iteration_s']:.3f}: ratio "
+            f"{result['ratio']:.3f} ({'ok' if result['pass'] else 'FAILS: the host, not the links, sets the time'})")
+    nl.up(hosts=workers + servers_of(workers), bandwidth=args.bandwidth, prefix=args.prefix, mtu=args.mtu)
+    return result
 
 
 # ---------------------------------------------------------------------------- tables
@@ -503,12 +594,14 @@ def jsonable_tables(tp: dict, baseline: dict, models: list[str], fusion: list[st
 
 
 def print_tables(kind: str, tp: dict, baseline: dict, models: list[str], fusion: list[str],
-                 schedules: list[str]) -> None:
-    num = lambda v, w, c: f"{v:.1f}"  # noqa: E731
+                 schedules: list[str], flagged: set | None = None) -> None:
+    """Tables 1-3; a cell of ``flagged`` (model, W, schedule) gets a '!' (the emulator check failed)."""
+    flagged = flagged or set()
     for m in models:
         rows = tp.get(m)
         if not rows:
             continue
+        num = lambda v, w, c, m=m: f"{v:.1f}" + ("!" if (m, w, c) in flagged else "")  # noqa: E731
         print()
         if fusion:
             print(table_text(f"[{kind}] Table 1 - fusion schemes, {m}: samples/s", rows, fusion, num))
@@ -519,6 +612,37 @@ def print_tables(kind: str, tp: dict, baseline: dict, models: list[str], fusion:
             sp = lambda v, w, c, base=base: f"{v:.1f} ({v / base:.2f}x)"  # noqa: E731
             print(table_text(f"[{kind}] Table 3 - speed-up over one worker ({base:.2f} samples/s), {m}: "
                              "samples/s (speed-up)", srows, list(schedules) + ["linear"], sp))
+
+
+def emulator_check(fabric: dict, runs: list[dict]) -> set:
+    """Print, per W, whether the emulator was faithful, and mark every run: the fabric probe moved at
+    least ``FABRIC_OK`` of the nominal rate with every link busy, and the ranks used less than
+    ``CPU_OK`` of the machine's cores during the run's timed iterations. Returns the (model, W,
+    schedule) that failed."""
+    flagged = set()
+    print(f"Emulator check (every measured cell; '!' marks a cell that fails it): fabric >= {100 * FABRIC_OK:.0f}% "
+          f"of the nominal rate with every link busy (netlab/duplex_probe.py), the ranks' CPU < {100 * CPU_OK:.0f}% "
+          "of the machine during the timed iterations (netlab/cpumon.py; the whole machine's busy share in brackets)")
+    for W in sorted({r["workers"] for r in runs}):
+        fab = fabric.get(str(W))
+        ratio = fab["aggregate_Bps"] / fab["nominal_Bps"] if fab and fab.get("nominal_Bps") else None
+        mine = [r for r in runs if r["workers"] == W]
+        for r in mine:
+            r["emulator_ok"] = bool(ratio is not None and ratio >= FABRIC_OK and r.get("ranks_cpu") is not None
+                                    and r["ranks_cpu"] < CPU_OK)
+            if not r["emulator_ok"]:
+                flagged.add((r["model"], W, r["schedule"]))
+        fab_text = (f"fabric {100 * ratio:.0f}% of {fab['nominal_Bps'] / 1e6:.0f} MB/s "
+                    f"({'ok' if ratio >= FABRIC_OK else 'FAILS'})" if ratio is not None
+                    else "fabric not probed (FAILS)")
+        print(f"  W={W}: {fab_text}")
+        for r in mine:
+            cpu, busy = r.get("ranks_cpu"), r.get("machine_busy")
+            cpu_text = "not monitored" if cpu is None else f"{100 * cpu:.0f}%"
+            busy_text = "" if busy is None else f" ({100 * busy:.0f}%)"
+            print(f"     {r['model']:<9} {r['schedule']:<13} ranks' CPU {cpu_text}{busy_text}"
+                  f"{'' if r['emulator_ok'] else '  FAILS'}")
+    return flagged
 
 
 # ---------------------------------------------------------------------------- plots
@@ -608,13 +732,18 @@ def parse_args(argv: list[str] | None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--workers", default="2,4,8", help="measured W (emulated cluster)")
-    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--servers", default="W",
+                    help="S: an int, or W (one server per worker) or W/2 (S grows with W, at least 1)")
     ap.add_argument("--bandwidth", default="1gbit", help="per-host link rate in each direction (tc syntax)")
+    ap.add_argument("--mtu", type=int, default=9000,
+                    help="the lab's MTU (9000: jumbo frames, as in a data centre; TCP goodput 0.993 of the link rate, "
+                         "and the fabric probe reaches >= 95%% of the nominal rate, which it does not at 1500)")
     ap.add_argument("--time-scale", type=float, default=None, help="factor on the profiled compute times")
     ap.add_argument("--real-bandwidth", default="10gbit", help="link rate of the cluster being emulated")
     ap.add_argument("--speedup", type=float, default=10.0, help="its devices' speed over the CPU profile")
     ap.add_argument("--fusion-schedules", default=",".join(FUSION))
-    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--schedules", default=",".join(PEERS + SCHEDULES),
+                    help="table 2's columns: IMerge's schedules and the all-reduce peers " + ", ".join(PEERS))
     ap.add_argument("--iters", type=int, default=2, help="timed iterations per schedule (at least)")
     ap.add_argument("--min-timed-s", type=float, default=8.0,
                     help="raise the timed iterations of a launch until they take about this long (estimate)")
@@ -664,6 +793,9 @@ def parse_args(argv: list[str] | None):
                     help="uneven incast sharing for the simulator's validation when no launch at that W was "
                          "monitored (default: measured by the link monitor)")
     ap.add_argument("--share-period", type=float, default=1.0, help="seconds a share persists (with --share-cv)")
+    ap.add_argument("--scale-check", default=None, metavar="MODEL:W:SCHEDULE",
+                    help="after the launches, run this measured cell again at half the link rate and twice the "
+                         "compute: a faithful emulator gives twice the iteration time (within 5%%)")
     ap.add_argument("--dry-run", action="store_true", help="list the launches with time and RAM estimates, run nothing")
     args = ap.parse_args(argv)
     given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]) if a.startswith("--")}
@@ -697,8 +829,12 @@ def parse_args(argv: list[str] | None):
     from imerge_hooks.config import SCHEDULES as KNOWN
 
     for s in args.fusion + args.table2:
-        if s not in KNOWN:
-            ap.error(f"unknown schedule {s!r} (known: {', '.join(KNOWN)})")
+        if s not in KNOWN + PEERS:
+            ap.error(f"unknown schedule {s!r} (known: {', '.join(PEERS + KNOWN)})")
+    try:
+        servers_for(args.servers, 2)
+    except ValueError:
+        ap.error(f"--servers wants an int, W or W/2, got {args.servers!r}")
     args.all_schedules = [s for s in RUN_ORDER if s in set(args.fusion) | set(args.table2)]
     args.all_schedules += [s for s in dict.fromkeys(args.table2 + args.fusion) if s not in args.all_schedules]
     args.bandwidth_Bps = nl.parse_rate(args.bandwidth) / 8.0
@@ -719,7 +855,9 @@ def parse_args(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    global GOODPUT
     args = parse_args(argv)
+    GOODPUT = nl.goodput(args.mtu)
     out_dir = Path(args.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = out_dir / "logs" / args.name
@@ -727,17 +865,21 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = out_dir / "cache" / nl.format_rate(nl.parse_rate(args.bandwidth))
     cache_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{args.name}.json"
-    S, ts, B = args.servers, args.time_scale, args.bandwidth_Bps
+    S_spec, ts, B = args.servers, args.time_scale, args.bandwidth_Bps
+
+    def SW(workers: int) -> int:  # noqa: N802 - S of W
+        return servers_for(S_spec, workers)
+
     facts = {m: model_facts(m, ts) for m in args.models}
     t_start = time.perf_counter()
 
     print(f"IMerge benchmark: models {', '.join(args.models)}; measured W {args.workers} "
-          f"{'(skipped: --no-measure)' if args.no_measure else ''}, simulated W {args.sim_workers}; S={S}; "
+          f"{'(skipped: --no-measure)' if args.no_measure else ''}, simulated W {args.sim_workers}; S={S_spec}; "
           f"{args.bandwidth} per host and direction ({B / 1e6:.1f} MB/s, TCP goodput {B * GOODPUT / 1e6:.1f} MB/s)")
     print(args.time_scale_why)
     wref = max(args.workers or args.sim_workers)
     for m, f in facts.items():
-        pb = physical_bound(f, wref, S, B)
+        pb = physical_bound(f, wref, SW(wref), B)
         print(f"  {m:<9} {f['bytes'] / 1e6:7.1f} MB in {f['tensors']:3d} tensors, compute {f['compute_s']:.3f} s/iter "
               f"(batch {f['batch_size']}); at W={wref}: comm bound {pb['comm_s']:.2f} s, "
               f"comm/compute {pb['comm_s'] / f['compute_s']:.2f}")
@@ -747,12 +889,14 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(json_path.read_text())
     from benchmarks.calibrate import machine_info
 
-    config = {"models": args.models, "workers": args.workers, "servers": S, "bandwidth": args.bandwidth,
+    config = {"models": args.models, "workers": args.workers,
+              "servers": int(S_spec) if str(S_spec).isdigit() else S_spec, "bandwidth": args.bandwidth,
               "bandwidth_Bps": B, "goodput": GOODPUT, "time_scale": ts, "time_scale_why": args.time_scale_why,
               "iters": args.iters, "min_timed_s": args.min_timed_s, "max_iters": args.max_iters,
               "warmup": args.warmup, "profile_steps": args.profile_steps,
               "fusion_schedules": args.fusion, "schedules": args.table2, "sim_workers": args.sim_workers,
               "validate_workers": args.validate_workers, "prefix": args.prefix, "rank_env": args.rank_env,
+              "mtu": args.mtu,
               "argv": sys.argv[1:] if argv is None else argv}
     same = doc.get("config", {})
     keep = args.resume and all(same.get(k) == config[k] for k in ("servers", "bandwidth", "time_scale", "iters",
@@ -788,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"netlab unavailable: {why}")
             return 2
         startup0 = (args.sim_startup_us * 1e-6 if args.sim_startup_us is not None else
-                    startup_for(0, {w: m for w in args.workers if (m := cached_psmodel(cache_dir, w, S))},
+                    startup_for(0, {w: m for w in args.workers if (m := cached_psmodel(cache_dir, w, SW(w)))},
                                 FALLBACK_STARTUP_S)[0])
         done = {(r["model"], r["workers"], r["schedule"]) for r in measured_runs}
         jobs: list[Job] = []
@@ -797,12 +941,12 @@ def main(argv: list[str] | None = None) -> int:
                 todo = [s for s in args.all_schedules if (m, W, s) not in done]
                 if not todo:
                     continue
-                sim_t = {s: simulate_one(m, W, S, s, B, startup0, ts).iteration_s for s in set(todo) | {"wfbp"}}
+                sim_t = {s: simulate_one(m, W, SW(W), s, B, startup0, ts).iteration_s for s in set(todo) | {"wfbp"}}
                 # more timed iterations where they are cheap: about --min-timed-s of timed run per schedule
                 iters = max(args.iters, min(args.max_iters, math.ceil(args.min_timed_s / statistics.median(
                     sim_t[s] for s in todo))))
                 # launch (W+S Python processes importing torch on few cores) + the one-worker baseline
-                launch_s = 20.0 + 3.0 * (W + S) + (args.warmup + iters) * facts[m]["compute_s"]
+                launch_s = 20.0 + 3.0 * (W + SW(W)) + (args.warmup + iters) * facts[m]["compute_s"]
                 run_s = {s: (args.warmup + iters) * sim_t[s] + (args.profile_steps * sim_t["wfbp"] if s in PLANNED
                                                                  else 0) for s in todo}
                 # Big models: one launch per schedule. The ranks' memory then starts afresh for each
@@ -818,7 +962,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             for j in jobs:
                 print(f"  {j.model:<9} W={j.workers:<3} {fmt_s(j.estimate_s):>9}  {j.iters} timed iters  peak RAM ~"
-                      f"{estimate_peak_memory(j.nbytes, j.workers, S, args.share_params) / 1e9:.1f} GB  "
+                      f"{estimate_peak_memory(j.nbytes, j.workers, SW(j.workers), args.share_params) / 1e9:.1f} GB  "
                       f"{','.join(j.schedules)}")
             return 0
         held = nl.exclusive(args.prefix)  # a second run.py on this lab would take it down under us
@@ -831,14 +975,15 @@ def main(argv: list[str] | None = None) -> int:
         spent_est = 0.0
         try:
             for k, job in enumerate(jobs, 1):
-                hosts = job.workers + S
+                hosts = job.workers + SW(job.workers)
                 if hosts != current_hosts:
-                    nl.up(hosts=hosts, bandwidth=args.bandwidth, prefix=args.prefix)
+                    nl.up(hosts=hosts, bandwidth=args.bandwidth, prefix=args.prefix, mtu=args.mtu)
                     current_hosts = hosts
                 elapsed = time.perf_counter() - t_start
                 rate = elapsed / spent_est if spent_est > 0 else 1.0
                 left = (total_est - spent_est) * max(rate, 1.0)
-                log(f"[{k}/{len(jobs)}] measured {job.model} W={job.workers} S={S} ({len(job.schedules)} schedules: "
+                log(f"[{k}/{len(jobs)}] measured {job.model} W={job.workers} S={SW(job.workers)} "
+                    f"({len(job.schedules)} schedules: "
                     f"{','.join(job.schedules)}); estimate {fmt_s(job.estimate_s)}; elapsed {fmt_s(elapsed)}, "
                     f"ETA ~{fmt_s(left)}")
                 out = run_job(job, args, cache_dir, log_dir, baseline=job.model not in baseline_runs)
@@ -846,19 +991,25 @@ def main(argv: list[str] | None = None) -> int:
                 for r in out["results"]:
                     r.update(bandwidth=args.bandwidth, loadavg=out["info"].get("loadavg_after"))
                     if r["schedule"] == "local":
-                        r["measured_in_launch"] = f"W={job.workers} S={S} (worker 0 alone, others idle)"
+                        r["measured_in_launch"] = f"W={job.workers} S={SW(job.workers)} (worker 0 alone, others idle)"
                         baseline_runs[job.model] = r
                     else:
                         measured_runs.append(r)
                 launches.append(out["info"])
                 save()
             fabric = doc.setdefault("fabric", {})
-            for W in [w for w in args.validate_workers if w in args.workers and str(w) not in fabric]:
-                nl.up(hosts=W + S, bandwidth=args.bandwidth, prefix=args.prefix)
+            for W in [w for w in args.workers if str(w) not in fabric]:
+                S = SW(W)
+                nl.up(hosts=W + S, bandwidth=args.bandwidth, prefix=args.prefix, mtu=args.mtu)
                 fabric[str(W)] = nl.duplex_probe(W, S, prefix=args.prefix)
+                fabric[str(W)]["nominal_Bps"] = 2 * min(W, S) * B  # the busier side's ports, both ways
+                fabric[str(W)]["servers"] = S
                 log(f"[fabric] W={W} S={S}: every link both ways at once moves "
                     f"{fabric[str(W)]['aggregate_Bps'] / 1e6:.0f} MB/s in all (the servers' ports carry at most "
                     f"{2 * S * B * GOODPUT / 1e6:.0f} MB/s of TCP payload both ways)")
+                save()
+            if args.scale_check:
+                doc["scale_check"] = scale_check(args, measured_runs, SW, facts, log_dir)
                 save()
             if args.timeline:
                 spec = args.timeline
@@ -867,7 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
                     spec = f"{args.models[0]}:{max(args.workers)}:{first}"
                 tm, tw, tsched = spec.split(":")
                 tw = int(tw)
-                nl.up(hosts=tw + S, bandwidth=args.bandwidth, prefix=args.prefix)
+                S = SW(tw)
+                nl.up(hosts=tw + S, bandwidth=args.bandwidth, prefix=args.prefix, mtu=args.mtu)
                 stem = out_dir / f"timeline-{tm}-w{tw}-s{S}-{tsched}"
                 log(f"[timeline] measured {tm} W={tw} {tsched} with IMERGE_TIMELINE={stem}-measured.json")
                 out = run_job(Job(tm, tw, [tsched], 600.0, facts[tm]["bytes"]), args, cache_dir, log_dir,
@@ -899,8 +1051,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ------------------------------------------------------------------ calibration + simulation
     psmodels = {w: m for w in sorted(set(args.workers) | set(args.sim_workers))
-                if (m := cached_psmodel(cache_dir, w, S)) is not None}
-    for w, m in stored_psmodels(calibration_kept, S).items():  # a fresh clone re-reporting a stored run
+                if (m := cached_psmodel(cache_dir, w, SW(w))) is not None}
+    for w, m in stored_psmodels(calibration_kept, SW).items():  # a fresh clone re-reporting a stored run
         if w not in psmodels and w in set(args.workers) | set(args.sim_workers):
             psmodels[w] = m
     doc["calibration"] = {str(w): {"a_s": m.a, "bandwidth_Bps_per_server": m.bandwidth, "startup_per_push_s": m.a / w,
@@ -918,8 +1070,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 st, src = startup_for(W, psmodels, FALLBACK_STARTUP_S)
             for s in args.all_schedules:
-                r = simulate_one(m, W, S, s, B, st, ts, cost_model=psmodels.get(W))
-                sim_runs.append({"model": m, "workers": W, "servers": S, "schedule": s, "iteration_s": r.iteration_s,
+                r = simulate_one(m, W, SW(W), s, B, st, ts, cost_model=psmodels.get(W))
+                sim_runs.append({"model": m, "workers": W, "servers": SW(W), "schedule": s,
+                                 "iteration_s": r.iteration_s,
                                  "samples_per_s": r.throughput, "startup_s": st, "startup_source": src,
                                  "groups": len(r.groups), "keys": len(r.keys),
                                  "cost_model": "calibrated" if W in psmodels else "simulated calibration"})
@@ -934,7 +1087,8 @@ def main(argv: list[str] | None = None) -> int:
                      "simulated": jsonable_tables(sim_tp, sim_base, args.models, args.fusion, args.table2)}
     if measured_runs:
         print("\n==== MEASURED (emulated cluster: netlab, one rank per host) ====")
-        print_tables("measured", meas_tp, meas_base, args.models, args.fusion, args.table2)
+        flagged = emulator_check(doc.get("fabric", {}), measured_runs)
+        print_tables("measured", meas_tp, meas_base, args.models, args.fusion, args.table2, flagged)
     monitored = [r for r in measured_runs if (r.get("links") or {}).get("worker_push_cv") is not None]
     if monitored:
         print("\n---- Links (link monitor, per schedule): workers' push-rate CV while every server's ingress is "
@@ -953,9 +1107,10 @@ def main(argv: list[str] | None = None) -> int:
     # ------------------------------------------------------------------ bound + efficiency
     eff: dict = {}
     if measured_runs:
-        print("\n==== Physical lower bound max(compute, max(W/S,1) * bytes / B) and efficiency = bound / measured ====")
+        print("\n==== Each schedule's own bound and efficiency = bound / measured: a PS max(compute, max(W/S,1) * "
+              "bytes / B), an all-reduce peer max(compute, 2(W-1)/W * bytes / B) ====")
         for r in measured_runs:
-            pb = physical_bound(facts[r["model"]], r["workers"], S, B)
+            pb = physical_bound(facts[r["model"]], r["workers"], SW(r["workers"]), B, r["schedule"])
             r.update(bound_s=pb["bound_s"], bound_compute_s=pb["compute_s"], bound_comm_s=pb["comm_s"],
                      efficiency=pb["bound_s"] / r["iteration_s"])
             eff.setdefault(r["model"], {}).setdefault(r["workers"], {})[r["schedule"]] = r["efficiency"]
@@ -963,21 +1118,23 @@ def main(argv: list[str] | None = None) -> int:
             rows = {w: {s: v for s, v in d.items()} for w, d in eff.get(m, {}).items()}
             if not rows:
                 continue
-            bounds = {w: physical_bound(facts[m], w, S, B) for w in rows}
             print()
             print(table_text(f"{m}: efficiency (bound / measured iteration time)", rows, args.all_schedules,
                              lambda v, w, c: f"{100 * v:.0f}%"))
-            for w in sorted(bounds):
-                b = bounds[w]
-                print(f"     W={w}: bound {b['bound_s']:.3f} s/iter = max(compute {b['compute_s']:.3f}, "
-                      f"comm {b['comm_s']:.3f}) -> {w * facts[m]['batch_size'] / b['bound_s']:.1f} samples/s")
+            for w in sorted(rows):
+                for what, sched in (("PS", "imerge"), ("all-reduce", "ddp")):
+                    b = physical_bound(facts[m], w, SW(w), B, sched)
+                    print(f"     W={w} {what} (S={SW(w)}): bound {b['bound_s']:.3f} s/iter = max(compute "
+                          f"{b['compute_s']:.3f}, comm {b['comm_s']:.3f}) -> "
+                          f"{w * facts[m]['batch_size'] / b['bound_s']:.1f} samples/s")
         doc["efficiency"] = {m: {str(w): d for w, d in v.items()} for m, v in eff.items()}
         fabric = doc.get("fabric", {})
         eff_emu: dict = {}
         for r in measured_runs:
             fab = fabric.get(str(r["workers"]))
             if fab:
-                moved = 2 * r["workers"] * facts[r["model"]]["bytes"]  # every worker pushes and pulls it all
+                # a PS: every worker pushes and pulls it all; a ring: every worker sends 2(W-1)/W of it
+                moved = 2 * (r["workers"] - 1 if r["schedule"] in PEERS else r["workers"]) * facts[r["model"]]["bytes"]
                 r["emulator_bound_s"] = max(r["bound_s"], moved / fab["aggregate_Bps"])
                 r["efficiency_emulator"] = r["emulator_bound_s"] / r["iteration_s"]
                 eff_emu.setdefault(r["model"], {}).setdefault(r["workers"], {})[r["schedule"]] = \
@@ -1008,6 +1165,7 @@ def main(argv: list[str] | None = None) -> int:
             psm = psmodels.get(W)
             st, src = ((args.sim_startup_us * 1e-6, "--sim-startup-us") if args.sim_startup_us is not None
                        else startup_for(W, psmodels, FALLBACK_STARTUP_S))
+            S = SW(W)
             plan, plan_source = validation_plan(r, S, ts, psm)
             p = simulate_one(r["model"], W, S, r["schedule"], B, st, ts, cost_model=psm, plan=plan)
             row = {"model": r["model"], "workers": W, "schedule": r["schedule"], "measured_s": r["iteration_s"],
@@ -1061,8 +1219,9 @@ def main(argv: list[str] | None = None) -> int:
     target_w = 8 if 8 in args.workers else (max(args.workers) if args.workers else None)
     if measured_runs and target_w:
         tgt = check_targets(meas_tp, eff, args.models, target_w)
-        note = "" if (target_w == 8 and S == 2 and nl.parse_rate(args.bandwidth) == 10**9) else \
-            f" (NOTE: the issue's targets are for W=8, S=2, 1gbit; this run is W={target_w}, S={S}, {args.bandwidth})"
+        note = "" if (target_w == 8 and SW(8) == 2 and nl.parse_rate(args.bandwidth) == 10**9) else \
+            (f" (NOTE: the issue's targets are for W=8, S=2, 1gbit; this run is W={target_w}, S={SW(target_w)}, "
+             f"{args.bandwidth})")
         print(f"\n==== Targets at W={target_w} (checked, not asserted){note} ====")
         for t in tgt:
             print(f"  [{'ok' if t['pass'] else 'MISS'}] {t['model']:<9} {t['target']:<38} {t['detail']}")
@@ -1072,7 +1231,7 @@ def main(argv: list[str] | None = None) -> int:
         eff_sim: dict = {}
         for r in sim_runs:
             if r["workers"] == sim_tgt_w:
-                pb = physical_bound(facts[r["model"]], sim_tgt_w, S, B)
+                pb = physical_bound(facts[r["model"]], sim_tgt_w, SW(sim_tgt_w), B, r["schedule"])
                 eff_sim.setdefault(r["model"], {}).setdefault(sim_tgt_w, {})[r["schedule"]] = (
                     pb["bound_s"] / r["iteration_s"])
         doc["targets_simulated"] = check_targets(sim_tp, eff_sim, args.models, sim_tgt_w)

@@ -56,7 +56,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks import peers  # noqa: E402
 from benchmarks.replay import ReplayModel, load_profile  # noqa: E402
+from imerge_hooks._mpi import MPI  # noqa: E402
 
 PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")
 
@@ -107,29 +109,76 @@ def share_parameters(model: torch.nn.Module, path: str) -> None:
             offset += n
 
 
+def _trainer(schedule: str, model: torch.nn.Module, base: torch.optim.Optimizer, args, imh, worker_comm,
+             bucket_cap_mb: float | None = None):
+    """(what to call forward on, what to zero_grad/step, the IMerge engine or None) for one schedule."""
+    if schedule == "local":
+        return model, base, None
+    if schedule in ("ddp", "ddp-tuned"):
+        return peers.wrap_ddp(model, bucket_cap_mb or 25.0), base, None
+    if schedule == "mpi-allreduce":
+        return model, peers.FusedAllreduce(base, list(model.parameters()), worker_comm), None
+    opt = imh.DistributedOptimizer(base, named_parameters=model.named_parameters(), schedule=schedule,
+                                   profile_steps=args.profile_steps)
+    imh.broadcast_parameters(model.state_dict(), root_rank=0)
+    return model, opt, opt._imerge_engine
+
+
+def tune_ddp_bucket(profile: dict, args, imh, worker_comm) -> tuple[float, dict]:
+    """``ddp-tuned``: time DDP with every cap of ``peers.ddp_caps`` (2 warm-up iterations, DDP
+    rebuilds its buckets after the first, then 1 timed; the slowest worker's time) and return the
+    fastest cap with every cap's s/iter."""
+    total = sum(prm["bytes"] for layer in profile["layers"] for prm in layer["params"])
+    times = {}
+    for cap in peers.ddp_caps(total):
+        model = ReplayModel(profile, time_scale=args.time_scale)
+        if args.share_params:
+            share_parameters(model, args.share_params)
+        base = torch.optim.SGD(model.parameters(), lr=0.01)
+        ddp = peers.wrap_ddp(model, cap)
+        x = model.example_input()
+        for it in range(3):
+            if it == 2:
+                t0 = time.perf_counter()
+            base.zero_grad()
+            ddp(x).sum().backward()
+            base.step()
+        mine = time.perf_counter() - t0
+        times[cap] = worker_comm.allreduce(mine, op=MPI.MAX) if worker_comm is not None else mine
+        del ddp, base, model
+        gc.collect()
+    best = min(times, key=times.get)
+    return best, times
+
+
 def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict | None:
+    tuning = None
+    cap = None
+    if schedule == "ddp":
+        cap = 25.0
+    elif schedule == "ddp-tuned":
+        cap, tuning = tune_ddp_bucket(profile, args, imh, worker_comm)
     model = ReplayModel(profile, time_scale=args.time_scale)
     if args.share_params:
         share_parameters(model, args.share_params)
     base = torch.optim.SGD(model.parameters(), lr=0.01)
     local = schedule == "local"
-    if local:
-        opt = base
-    else:
-        opt = imh.DistributedOptimizer(base, named_parameters=model.named_parameters(), schedule=schedule,
-                                       profile_steps=args.profile_steps)
-        imh.broadcast_parameters(model.state_dict(), root_rank=0)
+    forward, opt, engine = _trainer(schedule, model, base, args, imh, worker_comm, cap)
     x = model.example_input()
     warm = args.warmup + (args.profile_steps if schedule in PLANNED else 0)
+    if schedule in peers.PEERS:
+        warm = max(warm, 2)  # DDP builds its final buckets after the first iteration
     starts: list[float] = []
     cpu0 = None
     fwd_s, bwd_s = [], []
-    engine = None if local else opt._imerge_engine
-    policies = _ab_policies(engine, args.alternate) if engine is not None else None
+    policies = None
     for it in range(warm + args.iters):
         t = time.perf_counter()
         if it == warm:
             cpu0 = time.process_time()
+            timed_from = time.monotonic()
+            # A/B against the policy of the installed plan (the plan search may have changed it)
+            policies = _ab_policies(engine, args.alternate) if engine is not None else None
         if policies is not None and it >= warm:
             # A/B in one launch, one plan: blocks of two iterations, A B A B ...; every worker
             # switches at the same iteration. Only a block's second iteration is counted (the
@@ -138,7 +187,7 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
         if it >= warm:
             starts.append(t)
         opt.zero_grad()
-        out = model(x)
+        out = forward(x)
         t1 = time.perf_counter()
         out.sum().backward()
         t2 = time.perf_counter()
@@ -147,22 +196,23 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
             fwd_s.append(t1 - t)
             bwd_s.append(t2 - t1)
     end = time.perf_counter()
+    timed_to = time.monotonic()
     cpu = time.process_time() - cpu0
-    if not local:
+    if engine is not None:
         opt.synchronize()
     durations = [b - a for a, b in zip(starts, starts[1:] + [end])]
     mine = {"durations": durations, "elapsed": end - starts[0], "forward_s": statistics.median(fwd_s),
             "backward_s": statistics.median(bwd_s), "cpu_s_per_iter": cpu / args.iters}
     n_groups = n_keys = installed = None
-    if not local:
+    if engine is not None:
         n_groups = len(engine.groups)
         n_keys = sum(len(g.keys) for g in engine.groups)
         installed = installed_plan(engine)
-        everyone = worker_comm.gather(mine, root=0) if worker_comm is not None else [mine]
         _retire(opt)
-    else:
-        everyone = [mine]
-    del opt, base, model
+    elif isinstance(opt, peers.FusedAllreduce):
+        opt.close()
+    everyone = worker_comm.gather(mine, root=0) if (worker_comm is not None and not local) else [mine]
+    del opt, base, model, forward
     gc.collect()
     if everyone is None:  # not worker 0
         return None
@@ -186,6 +236,9 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
         "worker_cpu_s_per_iter": statistics.mean(w["cpu_s_per_iter"] for w in everyone),
         "worker_iteration_s": [w["elapsed"] / args.iters for w in everyone],
         "groups": n_groups, "keys": n_keys, "plan": installed,
+        "timed_monotonic_s": [timed_from, timed_to],  # worker 0's clock = the host's: run.py's CPU monitor
+        **({"bucket_cap_mb": cap} if cap is not None else {}),
+        **({"bucket_tuning_s": {str(k): v for k, v in tuning.items()}} if tuning else {}),
         **({"alternate": {"policies": policies,
                           "a_s": [per_iter[i] for i in range(1, args.iters, 4)],
                           "b_s": [per_iter[i] for i in range(3, args.iters, 4)]}} if policies else {}),
@@ -196,7 +249,8 @@ def installed_plan(engine) -> dict:
     """The plan the engine ran: its groups (parameter indices in registration order, which are the
     profile's tensor order and so the simulator's) in send order, and the partition size of
     partitioned schedules (None otherwise). ``run.py`` simulates exactly this plan."""
-    return {"groups": [list(g.members) for g in engine.groups], "partition_bytes": engine.partition_limit}
+    return {"groups": [list(g.members) for g in engine.groups], "partition_bytes": engine.partition_limit,
+            "stagger": engine.policy.stagger}
 
 
 def _ab_policies(engine, alternate: str | None) -> list[dict] | None:

@@ -904,14 +904,16 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
     sizes_r = [sizes[i] for i in order]
     ready_r = [ready_at[i] for i in order]
 
-    def score(cand: list[list[int]], partition: int) -> float:
+    def score(cand: list[list[int]], partition: int, stagger: bool | None = None) -> float:
         return simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
                         partition_bytes=partition, credit_bytes=credit_bytes,
                         result_window_bytes=result_window_bytes, tail_credit_bytes=tail_credit_bytes,
-                        cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations).iteration_s
+                        cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
+                        stagger=stagger).iteration_s
 
+    traits = SCHEDULE_TRAITS[schedule]
     return searched_plan(candidate_plans(sizes_r, ready_r, cost_model), score, sizes_r, ready_r, cost_model,
-                         partition_bytes, SCHEDULE_TRAITS[schedule].partition)[0]
+                         partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1)[0]
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -936,7 +938,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
-             plan_search: bool = True) -> SimResult:
+             plan_search: bool = True, stagger: bool | None = None) -> SimResult:
     """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
@@ -953,7 +955,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     every tensor exactly once); the schedule's other traits still apply. ``plan_search``: as
     ``Config.plan_search``, the ``optimal`` planner (adaptive-ps, imerge) simulates its
     candidate plans (:mod:`imerge_hooks.plan.search`) and keeps the fastest, as the engine
-    does; False: the DP's plan alone. See the module doc for the model.
+    does; False: the DP's plan alone (the search may also choose ``stagger``, as the engine's does).
+    ``stagger``: as ``SchedulePolicy.stagger`` (None: as the schedule, or its searched plan, says).
+    See the module doc for the model.
     """
     if schedule not in SCHEDULE_TRAITS:
         raise ValueError(f"IMerge simulate: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -1006,6 +1010,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         groups = [[order[j] for j in g] for g in plan_result.groups]
         if plan_result.partition_bytes is not None:
             partition_bytes = plan_result.partition_bytes
+        if stagger is None and plan_result.stagger is not None:
+            stagger = plan_result.stagger
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
     tail = None
     if tail_credit_bytes is not None and traits.tail_credit:
@@ -1015,7 +1021,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         tail = tail_group(groups, ready_at, tail_model, credit_bytes)
     sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
-                    priority=traits.priority, stagger=traits.stagger,
+                    priority=traits.priority, stagger=traits.stagger if stagger is None else bool(stagger),
                     credit=credit_bytes if traits.partition else None,
                     result_window=result_window_bytes if traits.partition else None,
                     tail_group=tail, tail_credit=tail_credit_bytes,

@@ -50,7 +50,8 @@ def test_simulated_tables_only(tmp_path):
         assert set(sim[table]) == {"alexnet", "resnet18"}, out
     assert set(sim["fusion"]["alexnet"]) == {"4", "8"}
     assert set(sim["fusion"]["alexnet"]["8"]) == {"threshold", "mgwfbp", "adaptive-ps"}
-    assert set(sim["schedules"]["resnet18"]["4"]) == {"default", "wfbp", "priority", "mgwfbp", "imerge"}
+    assert set(sim["schedules"]["resnet18"]["4"]) == {"ddp", "ddp-tuned", "mpi-allreduce", "default", "wfbp",
+                                                      "priority", "mgwfbp", "imerge"}
     assert all(v > 0 for row in sim["schedules"]["alexnet"].values() for v in row.values())
     sp = sim["speedup"]["alexnet"]
     assert sp["one_worker_samples_per_s"] > 0 and sp["rows"]["8"]["linear"]["speedup"] == 8.0
@@ -162,7 +163,7 @@ def test_stored_calibration_stands_in_for_a_missing_cache():
     sys.path.insert(0, str(REPO))
     from benchmarks.run import stored_psmodels
 
-    got = stored_psmodels({**CALIBRATION, "8": {"table": None}}, 2)
+    got = stored_psmodels({**CALIBRATION, "8": {"table": None}}, lambda workers: 2)
     assert set(got) == {2}  # an unreadable entry is skipped
     model = got[2]
     assert (model.workers, model.servers, model.a, model.bandwidth) == (2, 2, 2e-3, 7e7)
@@ -180,6 +181,7 @@ def test_resume_with_fewer_models_keeps_the_others(tmp_path):
     (tmp_path / "res.json").write_text(json.dumps({"config": config, "measured": {"runs": runs},
                                                    "calibration": CALIBRATION}))
     proc = _run([sys.executable, str(SCRIPT), "--resume", "--no-measure", "--models", "alexnet", "--workers", "2",
+                 "--servers", "2",
                  "--sim-workers", "4", "--validate-workers", "2", "--fusion-schedules", "", "--schedules", "default",
                  "--out-dir", str(tmp_path), "--name", "res"], timeout=240)
     out = _output(proc)
@@ -219,7 +221,8 @@ def test_installed_plan_reports_groups_and_partition():
 
     def engine(partition_limit: int | None) -> SimpleNamespace:
         return SimpleNamespace(groups=[SimpleNamespace(members=[3, 2]), SimpleNamespace(members=(1, 0))],
-                               partition_limit=partition_limit)
+                               partition_limit=partition_limit, policy=SimpleNamespace(stagger=False))
 
-    assert installed_plan(engine(2 << 20)) == {"groups": [[3, 2], [1, 0]], "partition_bytes": 2 << 20}
+    assert installed_plan(engine(2 << 20)) == {"groups": [[3, 2], [1, 0]], "partition_bytes": 2 << 20,
+                                               "stagger": False}
     assert installed_plan(engine(None))["partition_bytes"] is None

@@ -75,11 +75,18 @@ __all__ = [
     "pingpong",
     "duplex_probe",
     "GOODPUT",
+    "goodput",
 ]
 
 DEFAULT_PREFIX = "imlab"
 #: TCP payload per 1514-byte Ethernet frame (netlab measures 0.96 of the shaped rate one way)
 GOODPUT = 1448 / 1514
+
+
+def goodput(mtu: int = 1500) -> float:
+    """TCP payload per byte on the wire at this MTU: (MTU - 40 IP/TCP - 12 timestamps) / (MTU + 14 Ethernet)."""
+    return (mtu - 52) / (mtu + 14)
+
 #: name of the lab NIC inside every host namespace (what FI_TCP_IFACE points at)
 IFACE = "im0"
 #: the lab subnet; host i gets SUBNET.(i+1)/24.  Exists only inside the lab.

@@ -37,6 +37,7 @@ class Plan:
     group_end: list[float]
     note: str = ""  # how the plan was chosen, when more than one method was tried
     partition_bytes: int | None = None  # key size limit the plan was chosen for (None: the configured one)
+    stagger: bool | None = None  # whether workers stagger their first server (None: as the schedule says)
 
     def describe(self, sizes: Sequence[float]) -> str:
         """Human-readable table: group, tensors, bytes, start, end (ms)."""

@@ -61,6 +61,8 @@ class Replanner:
         self.plan = result
         groups = [[order[j] for j in group] for group in result.groups]
         engine.set_layout(groups, partition_bytes=result.partition_bytes, tail_group=tail)
+        if result.stagger is not None:  # the search chose it (plan.search.searched_plan)
+            engine.set_policy(stagger=result.stagger)
         if engine.cfg.plan_log and topo.worker_rank == 0:
             print(self.describe(order), flush=True)
         log.info("IMerge: %s plan with %d groups installed as plan epoch %d", self.method, len(groups), engine.epoch)
