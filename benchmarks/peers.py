@@ -63,8 +63,14 @@ class FusedAllreduce:
         self.size = comm.Get_size()
         self.fusion_bytes = fusion_bytes
         self.timeout_s = timeout_s
+        dtype = self.params[0].dtype
+        odd = next((i for i, p in enumerate(self.params) if p.dtype != dtype or p.device.type != "cpu"), None)
+        if odd is not None:
+            raise ValueError(f"mpi-allreduce: parameter {odd} is {self.params[odd].dtype} on "
+                             f"{self.params[odd].device}; every parameter must be {dtype} on the CPU")
+        self._itemsize = self.params[0].element_size()
         largest = max(p.numel() for p in self.params)
-        self._fused = torch.empty(max(fusion_bytes // 4, largest), dtype=torch.float32)
+        self._fused = torch.empty(max(fusion_bytes // self._itemsize, largest), dtype=dtype)
         self._ready: list[int] = []  # parameter indices in the order their gradients became ready
         self._done = 0  # of _ready, how many are averaged
         self._cond = threading.Condition()
@@ -135,7 +141,7 @@ class FusedAllreduce:
         """How many of the ready gradients fit in one fusion buffer (at least one)."""
         total, n = 0, 0
         for i in ready:
-            total += self.params[i].numel() * 4
+            total += self.params[i].numel() * self._itemsize
             if n and total > self.fusion_bytes:
                 break
             n += 1

@@ -909,10 +909,13 @@ def main(argv: list[str] | None = None) -> int:
     baseline_runs: dict = doc.get("measured", {}).get("baseline", {}) if keep else {}
     fabric_kept = doc.get("fabric", {}) if keep else {}
     calibration_kept = doc.get("calibration", {}) if keep else {}
+    # measured once, reported again: the scale check and the timeline (a new one replaces them)
+    kept_extras = {k: doc.get(k) for k in ("scale_check", "timeline")} if keep else {}
     doc = {"description": "IMerge benchmark (benchmarks/run.py): cells are samples/s of the whole cluster",
            "config": config, "machine": machine_info(),
            "measured": {"runs": measured_runs, "launches": launches, "baseline": baseline_runs},
-           "fabric": fabric_kept}
+           "fabric": fabric_kept,
+           **{k: v for k, v in kept_extras.items() if v is not None}}
     doc["machine"]["omp_num_threads"] = "1 (ranks)"
 
     def save() -> None:
@@ -949,6 +952,10 @@ def main(argv: list[str] | None = None) -> int:
                 launch_s = 20.0 + 3.0 * (W + SW(W)) + (args.warmup + iters) * facts[m]["compute_s"]
                 run_s = {s: (args.warmup + iters) * sim_t[s] + (args.profile_steps * sim_t["wfbp"] if s in PLANNED
                                                                  else 0) for s in todo}
+                if "ddp-tuned" in run_s:  # worker_replay times 3 iterations of every candidate cap first
+                    from benchmarks.peers import ddp_caps
+
+                    run_s["ddp-tuned"] += 3 * len(ddp_caps(facts[m]["bytes"])) * sim_t["ddp-tuned"]
                 # Big models: one launch per schedule. The ranks' memory then starts afresh for each
                 # schedule; seven schedules in one VGG-16 launch at W=8 ran this 24 GB machine out of RAM.
                 isolate = facts[m]["bytes"] > args.isolate_above_mb * 1e6
@@ -1088,6 +1095,11 @@ def main(argv: list[str] | None = None) -> int:
     if measured_runs:
         print("\n==== MEASURED (emulated cluster: netlab, one rank per host) ====")
         flagged = emulator_check(doc.get("fabric", {}), measured_runs)
+        sc = doc.get("scale_check")
+        if sc and sc.get("ratio") is not None:
+            print(f"  scale check {sc['cell']}: {sc['measured_s']:.3f} s/iter at {sc['bandwidth']} and time scale "
+                  f"{sc['time_scale']:g} against 2 x {sc['reference_s']:.3f}: ratio {sc['ratio']:.3f} "
+                  f"({'ok' if sc['pass'] else 'FAILS'}, within 5%)")
         print_tables("measured", meas_tp, meas_base, args.models, args.fusion, args.table2, flagged)
     monitored = [r for r in measured_runs if (r.get("links") or {}).get("worker_push_cv") is not None]
     if monitored:
