@@ -35,8 +35,9 @@ def cells(doc: dict, kind: str, imerge_label: str) -> dict:
 
 def merged(full: dict, half: dict, kind: str) -> dict:
     out = cells(full, kind, "imerge S=W")
-    for key, row in cells(half, kind, "imerge S=W/2").items():
-        out.setdefault(key, {}).update({c: r for c, r in row.items() if c == "imerge S=W/2"})
+    for key, row in cells(half, kind, "imerge S=W/2").items():  # and the peers where only that run has them
+        mine = out.setdefault(key, {})
+        mine.update({c: r for c, r in row.items() if c == "imerge S=W/2" or c not in mine})
     return out
 
 
