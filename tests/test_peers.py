@@ -123,3 +123,13 @@ def test_simulate_allreduce_refuses_bad_input():
         simulate_allreduce(model, cluster, "ddp", bucket_bytes=0)
     with pytest.raises(ValueError, match="step_latency_s"):
         simulate_allreduce(model, cluster, "ddp", step_latency_s=-1.0)
+
+
+def test_compare_tables_the_stored_result_set(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from benchmarks import compare
+
+    assert compare.main(["--plot", str(tmp_path / "peers.png")]) == 0
+    out = capsys.readouterr().out
+    assert "imerge S=W/2" in out and "measured (emulated cluster)" in out and "simulated" in out
+    assert (tmp_path / "peers.png").stat().st_size > 0
