@@ -8,7 +8,7 @@ MPI. How long to spin before sleeping depends on whether the ranks have a core e
   and a result is noticed within microseconds.
 * ``yield``: ranks outnumber cores (tests, emulated clusters). A spinning rank would steal
   the core the rank it waits for needs, so waits do not spin: they sleep in growing steps from
-  20 us, at first up to ``MAX_SLEEP_S``. (Spinning 200 us after every event and capping naps at
+  ``MIN_SLEEP_S`` (200 us), at first up to ``MAX_SLEEP_S``. (Spinning 200 us after every event and capping naps at
   250 us cost 8 ranks on 2 cores a fifth more CPU for the same iteration time.)
 
 ``auto`` (the default) picks ``spin`` when the ranks on this host fit its usable cores.

@@ -86,18 +86,23 @@ class CpuMonitor:
             if self._stop.wait(self.interval_s):
                 return
 
+    def _ends(self, start: float, end: float) -> tuple[tuple, tuple] | None:
+        """The first and last sample between ``start`` and ``end`` (None: fewer than two)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        return (inside[0], inside[-1]) if len(inside) >= 2 else None
+
     def busy_fraction(self, start: float, end: float) -> float | None:
         """Busy share of all cores between the samples nearest to ``start`` and ``end`` (None: too few)."""
-        inside = [s for s in self.samples if start <= s[0] <= end]
-        if len(inside) < 2:
+        ends = self._ends(start, end)
+        if ends is None:
             return None
-        (_, t0, i0, _), (_, t1, i1, _) = inside[0], inside[-1]
+        (_, t0, i0, _), (_, t1, i1, _) = ends
         return 1.0 - (i1 - i0) / (t1 - t0) if t1 > t0 else None
 
     def ranks_fraction(self, start: float, end: float) -> float | None:
         """The ranks' CPU as a share of all cores between the samples nearest to ``start`` and ``end``."""
-        inside = [s for s in self.samples if start <= s[0] <= end]
-        if len(inside) < 2 or self.root_pid is None:
+        ends = self._ends(start, end)
+        if ends is None or self.root_pid is None:
             return None
-        (w0, _, _, c0), (w1, _, _, c1) = inside[0], inside[-1]
+        (w0, _, _, c0), (w1, _, _, c1) = ends
         return (c1 - c0) / ((w1 - w0) * _CORES) if w1 > w0 else None

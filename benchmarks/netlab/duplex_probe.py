@@ -65,19 +65,17 @@ def main(argv: list[str] | None = None) -> int:
                 reqs.append(comm.Isend([out, MPI.BYTE], dest=p, tag=5))
                 owners += [p, None]
         arrived: list[tuple[float, int]] = []  # (time, peer) of every received chunk
-        pending = set(range(len(reqs)))
+        pending = len(reqs)
         backoff = Backoff()
         while pending:
-            done = [i for i in pending if reqs[i].Test()]
+            done = MPI.Request.Testsome(reqs) or []  # one progress pass per poll, as wire.PendingRequests
             if not done:
                 backoff.idle()
                 continue
             backoff.reset()
             now = time.perf_counter()
-            for i in done:
-                pending.discard(i)
-                if owners[i] is not None:
-                    arrived.append((now, owners[i]))
+            pending -= len(done)
+            arrived += [(now, owners[i]) for i in done if owners[i] is not None]
         comm.Barrier()
         timings.append(time.perf_counter() - t0)
         windows.append(_busy_window(comm, t0, arrived, peers, chunk))
