@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from . import runtime
 from .config import Config
-from .deferral import DeferredStep, supports_deferral
+from .deferral import DeferredStep, deferral_blocker
 from .errors import IMergeUsageError
 from .gates import AccessGuard, GateLearner
 from .group import Group
@@ -27,6 +28,10 @@ from .schedule import SchedulePolicy
 from .wire import SUPPORTED_DTYPES, KeySpec
 
 log = logging.getLogger("imerge")
+
+# Who may apply pending updates without a warning: the forward did not use those parameters before
+# the next step(), or training (or a stage) is ending.
+_QUIET_REASONS = frozenset({"the next step()", "close()", "shutdown()", "join()", "the end of a stage"})
 
 
 class GradientEngine:
@@ -60,14 +65,21 @@ class GradientEngine:
         self.none_when_unused = True
         self.listeners: list = []  # callables(engine) run after each synchronize (profiler, planner)
         self.deferred: DeferredStep | None = None  # overlap_forward: the step being applied in forward
+        self._deferred_at = 0.0  # when it was recorded (timeline)
         self._forward_hook = None
         # overlap_forward: where each parameter's update is applied, learned in synchronous iterations
         self._learner = GateLearner(self.params) if config.overlap and self.comm is not None else None
+        if self._learner is not None:
+            AccessGuard.retain()
         self._gate_of_module: dict[int, list[int]] = {}  # id(module) -> parameter indices it gates
         self._gate_modules: dict[int, torch.nn.Module] = {}  # keeps gate modules' ids meaningful
         self._ungated: set[int] = set()  # applied at step(): no gate could be learned for them
-        self._warned_unpredicted = False
-        self._flush_hooked: set[int] = set()  # modules with a state_dict pre-hook that flushes
+        # Who applied the deferred updates (parameter counts): "forward gates", "step() (no gate)", or
+        # the call that read parameters first; what is not the gates did not overlap (logged once).
+        self.applied_by: Counter[str] = Counter()
+        self._warned_outside = False
+        self._warned_sync: set[str] = set()  # why a step could not be deferred (logged once each)
+        self._presence_slot: list[int] = [-1] * len(self.params)  # index into its group's presence tail
         # (event, module name, monotonic time, detail): for tests and timelines
         self.events: list | None = [] if config.record_events else None
         # First guess of the ready order: reverse registration order (as DDP assumes).
@@ -132,8 +144,11 @@ class GradientEngine:
         """Layers were frozen or unfrozen: new layout (plan epoch) over the trainable parameters.
 
         Gradients of newly unfrozen parameters were computed this iteration outside the old
-        layout; their groups are exchanged once more so they are averaged too (already averaged
-        gradients in those groups are identical on all workers and stay what they were).
+        layout; every group holding one is exchanged once more so they are averaged too. Which
+        groups is decided from what every worker knows (the same parameters were unfrozen
+        everywhere), not from local gradients: a worker that did not use an unfrozen parameter
+        pushes zeros with its presence flag off, and the parameter gets no gradient only if no
+        worker had one. The other members of those groups keep what they had.
         """
         old = self.trainable
         self.trainable = [bool(p.requires_grad) for p in self.params]
@@ -151,12 +166,36 @@ class GradientEngine:
                  self.topo.worker_rank, len(fresh), self.epoch)
         if not fresh or self.comm is None:
             return
-        groups = {self.group_of[i] for i in fresh if self.params[i].grad is not None}
-        for g in sorted(groups):  # part of the step that just ended (its number was already counted)
-            self._submit(self.groups[g], self.iteration - 1)
-        for g in sorted(groups):
+        fresh_set = set(fresh)
+        groups = sorted({self.group_of[i] for i in fresh})
+        kept: dict[int, torch.Tensor | None] = {}
+        for g in groups:  # part of the step that just ended (its number was already counted)
+            group = self.groups[g]
+            for i in group.members:
+                if i not in fresh_set:
+                    grad = self.params[i].grad
+                    kept[i] = None if grad is None else grad.detach().clone()
+                if self.params[i].grad is None:
+                    self.views[i].zero_()
+            present = [self.params[i].grad is not None for i in group.members]
+            self._submit(group, self.iteration - 1, present)
+        for g in groups:
             self.wait_group(self.groups[g])
             self.groups[g].submitted = False
+        for g in groups:
+            for i in self.groups[g].members:
+                p = self.params[i]
+                if i in kept:
+                    if kept[i] is None:
+                        p.grad = None
+                    else:
+                        self.views[i].copy_(kept[i])
+                        p.grad = self.views[i]
+                elif self.had_gradient(i) or not self.none_when_unused:
+                    p.grad = self.views[i]
+                else:
+                    p.grad = None
+                    self.without_gradient.add(i)
 
     def set_layout(self, plan: list[list[int]], partition_bytes: int | None = None,
                    tail_group: int | None = None) -> None:
@@ -197,7 +236,8 @@ class GradientEngine:
                 raise ValueError(f"IMerge: plan group {gi} mixes dtypes/devices {dtypes} {devices}; "
                                  "groups must be homogeneous")
             dtype, device = dtypes.pop(), devices.pop()
-            shapes.append((dtype, device, sum(self.params[i].numel() for i in members),
+            # + one element per tensor: the push's "this worker has a gradient" flags (``had_gradient``)
+            shapes.append((dtype, device, sum(self.params[i].numel() for i in members) + len(members),
                            wire_dtype(dtype, self.cfg.compression)))
         # Host buffers of all groups come from two huge-page arenas (gradients, results).
         gpu_pinned = torch.cuda.is_available()
@@ -217,6 +257,7 @@ class GradientEngine:
                 views[i] = view
                 spans.append((self.names[i], offset, p.numel()))
                 self.group_of[i] = gi
+                self._presence_slot[i] = len(spans) - 1
                 offset += p.numel()
             on_host = device.type == "cpu"
             pinned = not on_host and gpu_pinned
@@ -234,7 +275,7 @@ class GradientEngine:
                                     names_in_range(spans, start, end)))
             groups.append(Group(index=gi, flat=flat, result=result, keys=keys, key_ranges=ranges,
                                 priority=min(members), names=tuple(self.names[i] for i in members),
-                                staging=staging, members=list(members), swap=swap))
+                                staging=staging, members=list(members), swap=swap, presence_at=offset))
         if tail_group is not None and groups:
             groups[-1].urgent = True
             groups[tail_group].tail_keys = len(groups[-1].keys)
@@ -262,7 +303,7 @@ class GradientEngine:
     def _count_keys(self, plan: list[list[int]]) -> int:
         count = 0
         for members in plan:
-            total = sum(self.params[i].numel() for i in members)
+            total = sum(self.params[i].numel() for i in members) + len(members)  # + presence flags
             size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
             count += len(cut_keys(total, size, self.partition_limit, self.topo.num_servers))
         return count
@@ -314,11 +355,20 @@ class GradientEngine:
         if self.immediate and self.group_arrived[g] == len(self.groups[g].members):
             self._submit(self.groups[g])
 
-    def _submit(self, group: Group, round_number: int | None = None) -> None:
+    def _submit(self, group: Group, round_number: int | None = None, present: list[bool] | None = None) -> None:
+        """Send ``group`` (this step's, or round ``round_number``'s); ``present``: per member, whether this
+        worker has a gradient for it (default: whether its backward passes all arrived)."""
         if self.comm is None:
             group.done.set()
             group.submitted = True
             return
+        flags = group.flat[group.presence_at:]
+        if present is None and self.group_arrived[group.index] == len(group.members):
+            flags.fill_(1)
+        else:
+            if present is None:
+                present = [self.counts[i] >= self.passes for i in group.members]
+            flags.copy_(torch.tensor(present, dtype=flags.dtype))
         if group.flat.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
@@ -335,6 +385,19 @@ class GradientEngine:
     @property
     def pending_gradients(self) -> bool:
         return any(self.counts)
+
+    def had_gradient(self, i: int) -> bool:
+        """Whether any worker produced a gradient for tensor ``i`` in the exchange just taken.
+
+        Carried with the push (each group's presence flags are averaged with it), never inferred
+        from the values: an exactly-zero average is still a gradient, as in DDP.
+        """
+        if self.counts[i] >= self.passes:
+            return True
+        if self.comm is None or not self.topo.num_servers:
+            return False
+        group = self.groups[self.group_of[i]]
+        return bool(group.flat[group.presence_at + self._presence_slot[i]] != 0)
 
     def push_remaining(self) -> None:
         """Submit every group not sent yet; tensors with no gradient go as zeros."""
@@ -391,7 +454,7 @@ class GradientEngine:
         self.without_gradient = set()
         for i, p in enumerate(self.params):
             if self.counts[i] == 0 and self.views[i] is not None:
-                if not self.none_when_unused or (self.topo.num_servers and bool(self.views[i].any())):
+                if not self.none_when_unused or self.had_gradient(i):
                     p.grad = self.views[i]
                 else:
                     self.without_gradient.add(i)
@@ -413,7 +476,8 @@ class GradientEngine:
         learner.end_iteration()
         if learner.learned:
             self._gate_of_module, self._gate_modules, self._ungated = learner.gates()
-            learner.close()
+            if not learner.compiled:  # a compiled graph traced the learner's hooks: keep them (inert)
+                learner.close()
             if self._ungated:
                 log.info("IMerge worker %d: %d parameter(s) have no forward gate; their updates are applied at "
                          "step(): %s", self.topo.worker_rank, len(self._ungated),
@@ -429,7 +493,8 @@ class GradientEngine:
         self.none_when_unused = set_to_none
         if self.deferred is not None:
             # Pending updates still need their gradients: clear each one right after it is applied.
-            self.deferred.zero_after_apply = True
+            for i in self.deferred.pending.values():
+                self.deferred.zero_after[i] = set_to_none
             self._clear_gradients(set_to_none, skip=set(self.deferred.pending.values()))
             return
         if self.in_flight:
@@ -457,43 +522,84 @@ class GradientEngine:
 
     # ------------------------------------------------------------------ overlap with the next forward
     def can_defer(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this ``step()`` may be applied during the next forward (else it runs now)."""
         profiling = self.replanner is not None and not self.replanner.profiler.done
         learned = self._learner is not None and self._learner.learned
-        return (self.cfg.overlap and learned and not profiling and supports_deferral(optimizer)
-                and self.pending_gradients and not self.trainable_changed())
+        if not (self.cfg.overlap and learned and not profiling and self.pending_gradients
+                and not self.trainable_changed()):
+            return False
+        why = deferral_blocker(optimizer)
+        if why is None and self._learner.compiled:
+            why = (f"the forward runs {self._learner.compiled}: compiled graphs run no per-module hooks, so "
+                   "updates cannot be applied inside them")
+        if why is not None:
+            self._say_synchronous(why)
+            return False
+        return True
 
-    def defer_step(self, optimizer: torch.optim.Optimizer, base_step) -> None:
+    def _say_synchronous(self, why: str) -> None:
+        if why not in self._warned_sync and self.topo.worker_rank == 0:
+            log.warning("IMerge: the %r schedule overlaps updates with the next forward, but %s; step() applies "
+                        "the update at once instead (exact, no overlap with the forward)", self.cfg.schedule, why)
+        self._warned_sync.add(why)
+
+    def defer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Send what is left and record the step; updates are applied in the next forward."""
-        self.flush_deferred()
+        self.flush_deferred("the next step()")
         self.push_remaining()
         self._record_backward()
-        self.deferred = DeferredStep(optimizer, base_step, self, list(self.counts))
+        self.deferred = DeferredStep(optimizer, self, list(self.counts))
+        self._deferred_at = time.monotonic()
         self.counts = [0] * len(self.params)
         self.group_arrived = [0] * len(self.groups)
         self.backward_started = None
         self.iteration += 1
-        self.deferred.apply([self.params[i] for i in sorted(self._ungated)])
+        self.applied_by["step() (no forward gate)"] += self.deferred.apply(
+            [self.params[i] for i in sorted(self._ungated)])
         if self.deferred.finished:
-            self.deferred = None
+            self._end_deferral()
             return
         if self._forward_hook is None:
             self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
-            AccessGuard.activate(self._on_fetch, self.flush_deferred)
+            AccessGuard.activate(self)
 
-    def _on_fetch(self, param: torch.Tensor) -> None:
-        """A pending parameter is fetched as a module attribute before its gate ran: apply it now."""
+    def on_fetch(self, param: torch.Tensor, reason: str) -> None:
+        """``param`` is about to be read by ``reason`` (not the forward's gate): apply its update first."""
         deferred = self.deferred
         if deferred is None or not deferred.owns(param):
             return
-        if not self._warned_unpredicted:
-            self._warned_unpredicted = True
-            log.warning("IMerge worker %d: %r was read before the forward reached the module where its update is "
-                        "applied (user code between step() and forward, or a use the first iterations did not "
-                        "show); applying its update first (exact, less overlap)", self.topo.worker_rank,
-                        self.names[self._index[id(param)]])
-        deferred.apply([param])
+        self._applied_outside(reason, deferred.apply([param]), self.names[self._index[id(param)]])
         if deferred.finished:
             self._end_deferral()
+
+    def zero_pending(self, params: list[torch.Tensor], set_to_none: bool) -> set[int]:
+        """``module.zero_grad()`` while updates are pending: clear the gradients of pending parameters
+        right after their update (so the overlap survives it); ids of the parameters it took."""
+        deferred = self.deferred
+        if deferred is None:
+            return set()
+        taken = {id(p) for p in params if deferred.owns(p)}
+        if any(id(p) in self._index for p in params):
+            self.none_when_unused = set_to_none
+        for pid in taken:
+            deferred.zero_after[deferred.pending[pid]] = set_to_none
+        return taken
+
+    def _applied_outside(self, reason: str, count: int, name: str) -> None:
+        """``count`` pending updates were applied by ``reason``, outside the forward's gates: say so once
+        (not for the ends of training, nor for parameters the forward did not use before the next step)."""
+        if not count:
+            return
+        self.applied_by[reason] += count
+        if reason in _QUIET_REASONS:
+            return
+        if not self._warned_outside and self.topo.worker_rank == 0:
+            self._warned_outside = True
+            log.warning("IMerge: %s read %r before the next forward reached it, so its pending update (and any "
+                        "others read that way) was applied there, not overlapped with the forward (exact, slower). "
+                        "Read parameters before step() or after the forward to keep the overlap; "
+                        "IMERGE_LOG_LEVEL=info prints how many updates the forward applied at shutdown",
+                        reason, name)
 
     def _before_forward(self, module: torch.nn.Module, _args) -> None:
         deferred = self.deferred
@@ -505,14 +611,13 @@ class GradientEngine:
                  not any(p is q for q in mine)]
         if not mine:
             return
-        if id(module) not in self._flush_hooked:
-            module.register_state_dict_pre_hook(lambda *_: runtime.flush_all())
-            self._flush_hooked.add(id(module))
         if self.events is not None:
             ready = all(self.groups[self.group_of[self._index[id(p)]]].done.is_set() for p in mine)
             self.events.append(("wait_begin", type(module).__name__, time.monotonic(), ready))
         wait_start = time.monotonic()
-        deferred.apply(mine)
+        applied = deferred.apply(mine)
+        deferred.by_gates += applied
+        self.applied_by["forward gates"] += applied
         if self.timeline is not None:
             self.timeline.span(f"wait+update {type(module).__name__}", "wait", wait_start, time.monotonic())
         if self.events is not None:
@@ -520,21 +625,45 @@ class GradientEngine:
         if deferred.finished:
             self._end_deferral()
 
-    def flush_deferred(self) -> None:
-        """Apply every pending update of the recorded step (waits for its groups)."""
-        if self.deferred is not None:
-            self.deferred.flush()
+    def flush_deferred(self, reason: str = "the next step()") -> None:
+        """Apply every pending update of the recorded step (waits for its groups); ``reason``: who asked.
+
+        After a forward and backward, what is still pending belongs to parameters that forward did
+        not use (hence the default). At ``shutdown()`` the overlap summary is logged (info level).
+        """
+        deferred = self.deferred
+        if deferred is not None:
+            pending = list(deferred.pending.values())
+            name = self.names[pending[0]] if pending else ""
+            self._applied_outside(reason, deferred.flush(), name)
             self._end_deferral()
+        if reason == "shutdown()" and self.applied_by:
+            log.info("%s", self.overlap_summary())
+            self.applied_by.clear()  # said once
 
     def _end_deferral(self) -> None:
         # DeferredStep.apply waited for (and released) every group of the recorded round. Groups
         # that are submitted now belong to the next round (a flush from the next step() runs after
         # its backward) and must stay submitted, or push_remaining() would push them twice.
-        self.deferred = None
+        deferred, self.deferred = self.deferred, None
+        if self.timeline is not None and deferred is not None:
+            self.timeline.span(f"overlap: {deferred.by_gates}/{deferred.total} updates in the forward", "overlap",
+                               self._deferred_at, time.monotonic())
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-            AccessGuard.deactivate(self._on_fetch, self.flush_deferred)
+            AccessGuard.deactivate(self)
+
+    def overlap_summary(self) -> str:
+        """One line: how many deferred updates the forward's gates applied, and who applied the rest."""
+        total = sum(self.applied_by.values())
+        gates = self.applied_by.get("forward gates", 0)
+        if not total:
+            return f"IMerge worker {self.topo.worker_rank}: no update was deferred into a forward"
+        others = ", ".join(f"{why} {n}" for why, n in self.applied_by.most_common() if why != "forward gates")
+        return (f"IMerge worker {self.topo.worker_rank}: {gates}/{total} deferred updates "
+                f"({100.0 * gates / total:.1f}%) applied by the forward's gates"
+                + (f"; the others by: {others}" if others else ""))
 
     def _take_parameters_of(self, worker: int) -> None:
         """After join(): every worker takes ``worker``'s parameters and step count (DDP's Join does too)."""
@@ -561,12 +690,17 @@ class GradientEngine:
 
         Gradients that are views into those buffers keep them alive until they are dropped.
         """
-        self.flush_deferred()
+        self.flush_deferred("close()")
+        if self.applied_by:
+            log.info("%s", self.overlap_summary())
+        self.applied_by.clear()  # said once
         if self.groups and self.comm is not None and self.comm.failed is None:
             runtime.unregister_keys(self.client)
         self.remove()
         if self._learner is not None:
             self._learner.close()
+            AccessGuard.release()
+            self._learner = None
         if self.replanner is not None:
             self.replanner.profiler.close()
         runtime.remove_callbacks(self.flush_deferred, self.synchronize, self._take_parameters_of)

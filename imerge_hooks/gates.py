@@ -21,7 +21,10 @@ still exact (one warning).
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,7 +39,11 @@ _NO_GATE = -1  # first use outside every module forward, or in different modules
 
 
 class _FirstUseMode(TorchFunctionMode):
-    """Reports every tensor argument of every torch op to ``on_tensor`` (lists one level deep)."""
+    """Reports every tensor argument of every torch op to ``on_tensor`` (lists one level deep).
+
+    Warnings the op raises are re-issued at the user's line: with the mode on the stack they
+    would otherwise point at this file.
+    """
 
     def __init__(self, on_tensor: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
@@ -51,7 +58,32 @@ class _FirstUseMode(TorchFunctionMode):
                 for item in value:
                     if isinstance(item, torch.Tensor):
                         self.on_tensor(item)
-        return func(*args, **kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = func(*args, **kwargs)
+        if caught:
+            _reissue(caught, func)
+        return result
+
+
+def _reissue(caught: list[warnings.WarningMessage], func: Callable) -> None:
+    """Warn again, attributing to the caller of ``func`` what was attributed to this file."""
+    frame = sys._getframe(2)  # above __torch_function__
+    while frame is not None and frame.f_code.co_filename.endswith(_OVERRIDES_FILES):
+        frame = frame.f_back
+    if frame is not None and frame.f_code is getattr(func, "__code__", None):
+        frame = frame.f_back  # a Python function that dispatched to the mode: its caller is the user
+    for w in caught:
+        if frame is not None and w.filename == __file__:
+            filename, lineno, module_globals = frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+        else:
+            filename, lineno, module_globals = w.filename, w.lineno, None
+        registry = module_globals.setdefault("__warningregistry__", {}) if module_globals is not None else None
+        warnings.warn_explicit(w.message, w.category, filename, lineno, registry=registry,
+                               module_globals=module_globals)
+
+
+_OVERRIDES_FILES = (os.path.join("torch", "overrides.py"), os.path.join("torch", "utils", "_device.py"))
 
 
 class GateLearner:
@@ -65,6 +97,7 @@ class GateLearner:
         self._gates: dict[int, weakref.ref | int] = {}  # index -> module ref, or _NO_GATE
         self._thread = threading.get_ident()
         self.iterations = 0
+        self.compiled: str | None = None  # a compiled module ran in the forward: what it was
         self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
                        torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True)]
 
@@ -73,6 +106,15 @@ class GateLearner:
         return self.iterations >= LEARNING_ITERATIONS
 
     def _enter(self, module: torch.nn.Module, _args: Any) -> None:
+        if self.learned:
+            return
+        if torch.compiler.is_compiling():  # traced by dynamo: record nothing into the user's graph
+            if self.compiled is None:
+                self.compiled = "a module compiled with torch.compile / Module.compile()"
+            return
+        if self.compiled is None and (getattr(module, "_compiled_call_impl", None) is not None
+                                      or type(module).__name__ == "OptimizedModule"):
+            self.compiled = f"{type(module).__name__} (torch.compile)"
         if threading.get_ident() != self._thread:
             return
         if not self._stack:
@@ -81,7 +123,7 @@ class GateLearner:
         self._stack.append(module)
 
     def _leave(self, module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        if threading.get_ident() != self._thread or not self._stack:
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or not self._stack:
             return
         self._stack.pop()
         if not self._stack and self._mode is not None:
@@ -102,7 +144,7 @@ class GateLearner:
 
     def end_iteration(self) -> None:
         """A synchronous ``step()``: fold this iteration's first uses into the gates."""
-        if not self._seen and self.iterations == 0:
+        if not self._seen and self.iterations == 0 and self.compiled is None:
             return  # no forward seen (step without forward): nothing learned
         for i, module in self._seen.items():
             gate = self._gates.get(i)
@@ -130,6 +172,8 @@ class GateLearner:
         return by_module, modules, ungated
 
     def close(self) -> None:
+        """Remove the hooks (a compiled graph traced them: removing them would recompile it, so an
+        engine whose forward is compiled keeps them, inert, until it closes)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -140,48 +184,151 @@ class GateLearner:
 
 
 class AccessGuard:
-    """While updates are pending, apply a parameter's update before user code fetches it.
+    """While updates are pending, apply a parameter's update before anything outside the forward reads it.
 
-    Patches ``nn.Module.__getattr__`` (through which every ``module.weight`` access goes: the
-    parameters live in ``module._parameters``) and ``nn.Module.named_parameters`` (behind
-    ``parameters()``) for as long as any engine has pending updates.
+    For as long as any engine has pending updates, patches the entry points through which user
+    code and libraries reach parameters: ``nn.Module.__getattr__`` (every ``module.weight``; the
+    parameters live in ``module._parameters``), ``named_parameters`` (behind ``parameters()``:
+    each parameter is brought up to date as it is yielded, so ``next(model.parameters())``
+    applies one update, not all), ``_save_to_state_dict`` / ``_load_from_state_dict`` (behind
+    ``state_dict()``, ``load_state_dict()``, ``save_pretrained``, EMA helpers), ``zero_grad`` (the
+    pending parameters' gradients are cleared right after their update, so Hugging Face's
+    ``model.zero_grad()`` after ``step()`` keeps the overlap) and ``Parameter.__deepcopy__`` /
+    ``__reduce_ex__`` (``copy.deepcopy(model)``, ``torch.save(model)``). The entry points stay
+    patched while an engine that may defer exists (``retain``/``release``); with no update pending
+    each costs one flag test (``benchmarks/guard_cost.py`` measures it).
     """
 
     _lock = threading.Lock()
-    _active: list[Callable[[torch.Tensor], None]] = []  # per pending engine: fn(tensor) applies if pending
-    _flush_all: list[Callable[[], None]] = []
-    _original_getattr = torch.nn.Module.__getattr__
-    _original_named_parameters = torch.nn.Module.named_parameters
+    _active: list = []  # engines with pending updates: .on_fetch(param, reason), .zero_pending(params, none)
+    _users = 0  # engines that may defer: the entry points stay patched while there are any
+    _originals = {
+        (torch.nn.Module, "__getattr__"): torch.nn.Module.__getattr__,
+        (torch.nn.Module, "named_parameters"): torch.nn.Module.named_parameters,
+        (torch.nn.Module, "_save_to_state_dict"): torch.nn.Module._save_to_state_dict,
+        (torch.nn.Module, "_load_from_state_dict"): torch.nn.Module._load_from_state_dict,
+        (torch.nn.Module, "zero_grad"): torch.nn.Module.zero_grad,
+        (torch.nn.Parameter, "__deepcopy__"): torch.nn.Parameter.__deepcopy__,
+        (torch.nn.Parameter, "__reduce_ex__"): torch.nn.Parameter.__reduce_ex__,
+    }
 
     @classmethod
-    def activate(cls, on_fetch: Callable[[torch.Tensor], None], flush: Callable[[], None]) -> None:
+    def retain(cls) -> None:
+        """An engine that may defer exists: patch the entry points (once; patching a class that
+        ``nn.Module`` has thousands of subclasses of costs ~0.1 ms, too much to do every step)."""
         with cls._lock:
-            if not cls._active:
-                torch.nn.Module.__getattr__ = _guarded_getattr
-                torch.nn.Module.named_parameters = _guarded_named_parameters
-            cls._active.append(on_fetch)
-            cls._flush_all.append(flush)
+            if cls._users == 0:
+                for (owner, name), fn in _GUARDED.items():
+                    setattr(owner, name, fn)
+            cls._users += 1
 
     @classmethod
-    def deactivate(cls, on_fetch: Callable[[torch.Tensor], None], flush: Callable[[], None]) -> None:
+    def release(cls) -> None:
+        """That engine closed: the last one restores torch's entry points."""
         with cls._lock:
-            if on_fetch in cls._active:
-                cls._active.remove(on_fetch)
-                cls._flush_all.remove(flush)
-            if not cls._active:
-                torch.nn.Module.__getattr__ = cls._original_getattr
-                torch.nn.Module.named_parameters = cls._original_named_parameters
+            cls._users -= 1
+            if cls._users == 0:
+                cls._active.clear()
+                for (owner, name), fn in cls._originals.items():
+                    setattr(owner, name, fn)
+
+    @classmethod
+    def activate(cls, engine) -> None:
+        """``engine`` has pending updates: reads go through it until ``deactivate``."""
+        with cls._lock:
+            if cls._users == 0:
+                raise RuntimeError("IMerge internal: AccessGuard.activate() without retain()")
+            if engine not in cls._active:
+                cls._active.append(engine)
+
+    @classmethod
+    def deactivate(cls, engine) -> None:
+        with cls._lock:
+            if engine in cls._active:
+                cls._active.remove(engine)
+
+    @classmethod
+    def original(cls, owner: type, name: str) -> Callable:
+        return cls._originals[(owner, name)]
+
+
+def _fetched(param: torch.Tensor, reason: str) -> None:
+    for engine in list(AccessGuard._active):
+        engine.on_fetch(param, reason)
+
+
+_getattr = torch.nn.Module.__getattr__
+_named_parameters = torch.nn.Module.named_parameters
 
 
 def _guarded_getattr(self: torch.nn.Module, name: str) -> Any:
-    value = AccessGuard._original_getattr(self, name)
-    if isinstance(value, torch.nn.Parameter):
-        for on_fetch in list(AccessGuard._active):
-            on_fetch(value)
+    value = _getattr(self, name)
+    if AccessGuard._active and isinstance(value, torch.nn.Parameter):
+        _fetched(value, f"a read of {type(self).__name__}.{name}")
     return value
 
 
 def _guarded_named_parameters(self: torch.nn.Module, *args: Any, **kwargs: Any):
-    for flush in list(AccessGuard._flush_all):
-        flush()
-    return AccessGuard._original_named_parameters(self, *args, **kwargs)
+    if not AccessGuard._active:
+        yield from _named_parameters(self, *args, **kwargs)
+        return
+    for name, param in _named_parameters(self, *args, **kwargs):
+        _fetched(param, "Module.parameters()/named_parameters()")
+        yield name, param
+
+
+def _guarded_save(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    for param in self._parameters.values() if AccessGuard._active else ():
+        if param is not None:
+            _fetched(param, "Module.state_dict()")
+    return AccessGuard.original(torch.nn.Module, "_save_to_state_dict")(self, *args, **kwargs)
+
+
+def _guarded_load(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+    for param in self._parameters.values() if AccessGuard._active else ():
+        if param is not None:
+            _fetched(param, "Module.load_state_dict()")
+    return AccessGuard.original(torch.nn.Module, "_load_from_state_dict")(self, *args, **kwargs)
+
+
+def _guarded_zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
+    if not AccessGuard._active:
+        return AccessGuard.original(torch.nn.Module, "zero_grad")(self, set_to_none)
+    params = [p for _, p in _named_parameters(self)]
+    handled: set[int] = set()
+    for engine in list(AccessGuard._active):
+        handled |= engine.zero_pending(params, set_to_none)
+    for p in params:  # torch's Module.zero_grad for the others
+        if id(p) in handled or p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            p.grad.zero_()
+
+
+def _guarded_deepcopy(self: torch.nn.Parameter, memo: dict) -> Any:
+    if AccessGuard._active:
+        _fetched(self, "copy.deepcopy()")
+    return AccessGuard.original(torch.nn.Parameter, "__deepcopy__")(self, memo)
+
+
+def _guarded_reduce_ex(self: torch.nn.Parameter, proto: int) -> Any:
+    if AccessGuard._active:
+        _fetched(self, "pickling a Parameter (torch.save of a module)")
+    return AccessGuard.original(torch.nn.Parameter, "__reduce_ex__")(self, proto)
+
+
+_GUARDED = {
+    (torch.nn.Module, "__getattr__"): _guarded_getattr,
+    (torch.nn.Module, "named_parameters"): _guarded_named_parameters,
+    (torch.nn.Module, "_save_to_state_dict"): _guarded_save,
+    (torch.nn.Module, "_load_from_state_dict"): _guarded_load,
+    (torch.nn.Module, "zero_grad"): _guarded_zero_grad,
+    (torch.nn.Parameter, "__deepcopy__"): _guarded_deepcopy,
+    (torch.nn.Parameter, "__reduce_ex__"): _guarded_reduce_ex,
+}

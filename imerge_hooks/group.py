@@ -45,6 +45,9 @@ class Group:
     tail_keys: int = 0
     urgent: bool = False
     round: int = 0  # the step this submission belongs to (its keys' tags carry it, see wire.key_tag)
+    # Elements [presence_at, presence_at + len(members)) of ``flat``: one flag per member, 1 when this
+    # worker has a gradient for it; averaged with the gradients, so nonzero iff any worker had one.
+    presence_at: int = 0
 
     _buffers: dict = field(default_factory=dict, repr=False)
 

@@ -28,6 +28,8 @@ SYNCHRONIZE_WARNING = ("optimizer.step() called without optimizer.skip_synchroni
 class _DistributedMixin:
     """Methods added to the wrapped optimizer's class (it stays an instance of that class)."""
 
+    _imerge_mixin = True  # marks where the wrapped class's own methods start in the MRO (deferral.py)
+
     _imerge_engine: GradientEngine
     _imerge_skip_sync: bool
     _imerge_synchronized: bool  # synchronize() ran since the last step() (Horovod warns at that step)
@@ -58,12 +60,12 @@ class _DistributedMixin:
             warnings.warn(SYNCHRONIZE_WARNING, stacklevel=2)
         self._imerge_synchronized = False
         if not self._imerge_skip_sync and not self._imerge_sparse and engine.can_defer(self):
-            engine.defer_step(self, _base_step)
+            engine.defer_step(self)
             return loss
         if not self._imerge_skip_sync:
             engine.synchronize()
         else:
-            engine.flush_deferred()
+            engine.flush_deferred("optimizer.step() in skip_synchronize()")
         hidden = _hide_missing_gradients(engine) + _sparse_again(engine, self._imerge_sparse)
         try:
             super().step()  # type: ignore[misc]
@@ -87,7 +89,7 @@ class _DistributedMixin:
         them: a plan epoch, so every worker adds the group at the same point, between steps)."""
         super().add_param_group(param_group)  # type: ignore[misc]
         old = self._imerge_engine
-        old.flush_deferred()
+        old.flush_deferred("optimizer.add_param_group()")
         if old.pending_gradients or old.in_flight:
             raise IMergeUsageError(f"IMerge worker {old.topo.worker_rank}: add_param_group() between backward() "
                                    "and step(); add parameter groups between steps")
@@ -138,18 +140,13 @@ class _DistributedMixin:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        runtime.flush_all()
+        runtime.flush_all("optimizer.state_dict()")
         return super().state_dict()  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        runtime.flush_all()
+        runtime.flush_all("optimizer.load_state_dict()")
         self._imerge_synchronized = False
         super().load_state_dict(state_dict)  # type: ignore[misc]
-
-
-def _base_step(optimizer: torch.optim.Optimizer) -> None:
-    """The wrapped optimizer's own step (used for deferred per-module updates)."""
-    super(_DistributedMixin, optimizer).step()  # type: ignore[misc]
 
 
 def _hide_missing_gradients(engine: GradientEngine) -> list[tuple[torch.Tensor, torch.Tensor]]:

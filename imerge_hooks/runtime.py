@@ -178,7 +178,7 @@ def serve_stage() -> str:
 
 def end_stage() -> None:
     """Tell every server this worker finished a stage (Lightning entry points)."""
-    flush_all()
+    flush_all("the end of a stage")
     _control_all({"op": "stage_end"})
 
 
@@ -276,10 +276,13 @@ def remove_callbacks(*fns) -> None:
         lst[:] = [f for f in lst if f not in fns]
 
 
-def flush_all() -> None:
-    """Apply every pending (deferred) update; anything that reads parameters calls this."""
+def flush_all(reason: str = "imerge_hooks.flush_all()") -> None:
+    """Apply every pending (deferred) update; anything that reads parameters calls this.
+
+    ``reason`` names the caller: updates applied outside the forward are counted by it and the
+    first one is logged (``GradientEngine.flush_deferred``)."""
     for fn in list(_state.flush_callbacks):
-        fn()
+        fn(reason)
 
 
 # ---------------------------------------------------------------------- key table
@@ -388,7 +391,7 @@ def join() -> int:
     waits here (the end of ``profile_steps``) raises at once on that worker.
     """
     topo = topology()
-    flush_all()
+    flush_all("join()")
     for fn in list(_state.join_callbacks):
         fn()
     if topo.num_servers == 0:
@@ -519,7 +522,7 @@ def shutdown() -> None:
     error = fatal_error() or (_state.comm_thread.failed if _state.comm_thread else None)
     if error is None:
         try:
-            flush_all()
+            flush_all("shutdown()")
             _release_servers()
             return
         except BaseException as exc:  # noqa: BLE001 - ends the job

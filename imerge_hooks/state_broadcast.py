@@ -64,7 +64,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     _check_root(root_rank, "broadcast_optimizer_state")
     if topo.num_workers == 1:
         return
-    runtime.flush_all()
+    runtime.flush_all("broadcast_optimizer_state()")
     state: Any = optimizer.state_dict() if topo.worker_rank == root_rank else None
     state = runtime.collective(topo.worker_comm, "bcast", state, f"the optimizer state of worker {root_rank}",
                                root=root_rank)

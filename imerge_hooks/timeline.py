@@ -38,10 +38,12 @@ class Timeline:
     def watch_modules(self, owns) -> None:
         """Record the forward of every module for which ``owns(module)`` is true."""
         def pre(module, _args):
-            if owns(module):
+            if not torch.compiler.is_compiling() and owns(module):  # no Python time inside a compiled graph
                 self._forward[id(module)] = time.monotonic()
 
         def post(module, _args, _out):
+            if torch.compiler.is_compiling():
+                return
             start = self._forward.pop(id(module), None)
             if start is not None:
                 self.span(f"forward {type(module).__name__}", "forward", start, time.monotonic())

@@ -1,5 +1,10 @@
 """Forward gates (imerge_hooks.gates): where each parameter's deferred update is applied."""
 
+import copy
+import io
+import warnings
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,27 +98,106 @@ def test_gate_that_changes_between_iterations_is_dropped():
     assert ungated == {0}
 
 
+class _FakeEngine:
+    """What AccessGuard asks of an engine: apply a pending parameter on fetch, take zero_grad of pending ones."""
+
+    def __init__(self, pending):
+        self.pending = {id(p) for p in pending}
+        self.applied = []
+        self.zeroed = []
+
+    def on_fetch(self, param, reason):
+        if id(param) in self.pending:
+            self.pending.discard(id(param))
+            self.applied.append(reason)
+
+    def zero_pending(self, params, set_to_none):
+        taken = {id(p) for p in params if id(p) in self.pending}
+        self.zeroed += [set_to_none] * len(taken)
+        return taken
+
+
 def test_access_guard_applies_a_pending_parameter_before_user_code_reads_it():
-    model = nn.Sequential(nn.Linear(2, 2))
-    weight = model[0].weight
-    applied = []
-    pending = {id(weight)}
-
-    def on_fetch(t):
-        if id(t) in pending:
-            pending.discard(id(t))
-            applied.append("fetch")
-
-    def flush():
-        applied.append("flush")
-
-    AccessGuard.activate(on_fetch, flush)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    engine = _FakeEngine([model[0].weight])
+    AccessGuard.retain()
+    AccessGuard.activate(engine)
     try:
         _ = model[0].weight
-        list(model.parameters())
     finally:
-        AccessGuard.deactivate(on_fetch, flush)
-    assert applied == ["fetch", "flush"]
-    assert nn.Module.__getattr__ is AccessGuard._original_getattr
-    _ = model[0].weight
-    assert applied == ["fetch", "flush"]
+        AccessGuard.deactivate(engine)
+        AccessGuard.release()
+    assert engine.applied == ["a read of Linear.weight"]
+    assert nn.Module.__getattr__ is AccessGuard.original(nn.Module, "__getattr__")
+    _ = model[0].bias  # not pending: nothing
+    assert engine.applied == ["a read of Linear.weight"]
+
+
+@pytest.mark.parametrize("read,reason", [
+    (lambda m: next(m.parameters()), "Module.parameters()/named_parameters()"),
+    (lambda m: m.state_dict(), "Module.state_dict()"),
+    (lambda m: m.load_state_dict(m.state_dict()), "Module.state_dict()"),
+    (lambda m: copy.deepcopy(m), "copy.deepcopy()"),
+    (lambda m: torch.save(m, io.BytesIO()), "pickling a Parameter (torch.save of a module)"),
+])
+def test_every_way_to_read_parameters_applies_them_first(read, reason):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    first = model[0].weight
+    engine = _FakeEngine(list(model.parameters()))
+    AccessGuard.retain()
+    AccessGuard.activate(engine)
+    try:
+        read(model)
+        assert id(first) not in engine.pending  # the first parameter was brought up to date before the read
+        assert engine.applied[0] == reason
+    finally:
+        AccessGuard.deactivate(engine)
+        AccessGuard.release()
+    assert nn.Module.state_dict is not None and nn.Module.named_parameters is AccessGuard.original(
+        nn.Module, "named_parameters")
+
+
+def test_next_parameters_applies_only_the_parameter_it_yields():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    engine = _FakeEngine(list(model.parameters()))
+    AccessGuard.retain()
+    AccessGuard.activate(engine)
+    try:
+        next(model.parameters())
+    finally:
+        AccessGuard.deactivate(engine)
+        AccessGuard.release()
+    assert len(engine.applied) == 1 and len(engine.pending) == 3
+
+
+def test_module_zero_grad_leaves_pending_gradients_to_the_engine():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model(torch.ones(1, 2)).sum().backward()
+    engine = _FakeEngine([model[0].weight])
+    AccessGuard.retain()
+    AccessGuard.activate(engine)
+    try:
+        model.zero_grad()
+    finally:
+        AccessGuard.deactivate(engine)
+        AccessGuard.release()
+    assert engine.zeroed == [True] and engine.applied == []  # no update was forced
+    assert model[0].weight.grad is not None  # the engine clears it after the update
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+
+
+def test_warnings_raised_while_learning_point_at_the_users_line():
+    model = nn.Sequential(nn.Linear(2, 2))
+    learner = GateLearner(list(model.parameters()))
+
+    class Warns(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.softmax(x)  # implicit dim: torch warns (stacklevel 2: this line)
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            Warns()(model(torch.ones(1, 2)))
+    finally:
+        learner.close()
+    assert caught and all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]

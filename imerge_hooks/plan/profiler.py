@@ -82,10 +82,14 @@ class Profiler:
         return self._module_names[key]
 
     def _pre(self, module: torch.nn.Module, _args) -> None:
+        if torch.compiler.is_compiling():  # inside a compiled graph: no per-module time to take
+            return
         if self._owner_name(module) is not None:
             self._starts[id(module)] = time.perf_counter()
 
     def _post(self, module: torch.nn.Module, _args, _out) -> None:
+        if torch.compiler.is_compiling():
+            return
         start = self._starts.pop(id(module), None)
         if start is not None:
             name = self._module_names[id(module)]
