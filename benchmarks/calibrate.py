@@ -1,13 +1,16 @@
 """PS communication table for several worker and server counts on this machine, with a plot.
 
     python benchmarks/calibrate.py [--workers 1,2,4,8] [--servers 1,2] [--max-bytes 64MiB]
-                                   [--out-dir benchmarks/results] [--timeout 900]
+                                   [--budget-s S] [--out-dir benchmarks/results] [--timeout 900]
 
 For every (W, S) it launches ``mpiexec -n W+S python -m imerge_hooks.plan.calibrate --out <tmp json>``
 (mpiexec next to ``sys.executable``, env ``IMERGE_NUM_SERVERS=S``, ``OMP_NUM_THREADS=1``) and
 loads the ``PSModel`` it writes: for each message size m on the calibration grid (1 KiB, 4 KiB,
 ... up to ``--max-bytes``), the time T(m) of one push + pull of m bytes by every worker at once
-(slowest worker's median), and the fit ``T(m) = a + W*m/(S*B)``.
+(slowest worker's median), and the fit ``T(m) = a + W*m/(S*B)``. ``--budget-s`` stops each run as
+the start-up calibration does (``imerge_hooks.plan.calibrate.STARTUP_BUDGET_S``): the sizes it did
+not measure are extended along the measured bandwidth, marked ``+`` in the table and
+``"measured": false`` in the JSON.
 
 It prints one table (workers, servers, message size, measured time, fitted time), one summary
 line per (W, S) with a (us) and B (MB/s per server), and saves ``calibrate.json`` (rows, fitted
@@ -137,14 +140,15 @@ def machine_info() -> dict:
 
 
 # ---------------------------------------------------------------------- one (W, S) run
-def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: str) -> dict:
+def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: str,
+            budget_s: float | None = None) -> dict:
     """Run the calibration for one (W, S); returns a dict with ``ok`` and the model or the failure."""
     out = os.path.join(tmpdir, f"psmodel-{workers}w-{servers}s.json")
     env = dict(os.environ)
     env.update({"IMERGE_NUM_SERVERS": str(servers), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     cmd = [mpiexec_path(), "-n", str(workers + servers), sys.executable, "-m", "imerge_hooks.plan.calibrate",
-           "--out", out, "--max-bytes", str(max_bytes)]
+           "--out", out, "--max-bytes", str(max_bytes)] + ([] if budget_s is None else ["--budget-s", str(budget_s)])
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=str(REPO), preexec_fn=os.setsid)
@@ -188,7 +192,8 @@ def fitted_time(model, nbytes: float) -> float:
 
 def model_rows(model) -> list[dict]:
     return [{"workers": model.workers, "servers": model.servers, "bytes": int(m), "size": human_size(m),
-             "time_s": float(t), "fit_s": fitted_time(model, m)} for m, t in zip(model.sizes, model.times)]
+             "time_s": float(t), "fit_s": fitted_time(model, m), "measured": i < model.measured}
+            for i, (m, t) in enumerate(zip(model.sizes, model.times))]
 
 
 # ---------------------------------------------------------------------- output
@@ -210,11 +215,13 @@ def format_table(rows: list[dict]) -> str:
         if last is not None and (r["workers"], r["servers"]) != last:
             lines.append("")
         last = (r["workers"], r["servers"])
-        mark = "" if r.get("clean_exit", True) else " *"
+        mark = ("" if r.get("clean_exit", True) else " *") + ("" if r.get("measured", True) else " +")
         lines.append(f"{r['workers']:>7} {r['servers']:>7} {r['size']:>9} {r['bytes']:>10} "
                      f"{r['time_s'] * 1e6:>12.1f} {r['fit_s'] * 1e6:>12.1f}{mark}")
     if any(not r.get("clean_exit", True) for r in rows):
         lines += ["", "* measured and written, but the run then failed (see below)"]
+    if any(not r.get("measured", True) for r in rows):
+        lines += ["", "+ not measured (--budget-s): extended along the measured bandwidth"]
     return "\n".join(lines)
 
 
@@ -287,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest message on the grid 1KiB*4^i (default 64MiB)")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per (W, S) run (default 900)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop each run as the start-up calibration does (default: the whole grid)")
     args = parser.parse_args(argv)
     if args.max_bytes < 1024:
         parser.error("--max-bytes must be at least 1024 (the calibration grid starts at 1 KiB)")
@@ -303,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="imerge-calib-") as tmpdir:
         for w, s in configs:
             print(f"  running W={w} S={s} ({w + s} ranks) ...", end=" ", flush=True)
-            res = run_one(w, s, args.max_bytes, args.timeout, tmpdir)
+            res = run_one(w, s, args.max_bytes, args.timeout, tmpdir, args.budget_s)
             results.append(res)
             print(f"{'ok' if res['ok'] else 'FAILED: ' + res['reason']} ({res['wall_s']:.1f} s)", flush=True)
             if not res["ok"]:
@@ -340,11 +349,12 @@ def main(argv: list[str] | None = None) -> int:
         "note": note,
         "machine": info,
         "args": {"workers": args.workers, "servers": args.servers, "max_bytes": args.max_bytes,
-                 "timeout_s": args.timeout},
+                 "timeout_s": args.timeout, "budget_s": args.budget_s},
         "total_wall_s": total_wall,
         "fits": [{"workers": r["model"].workers, "servers": r["model"].servers, "a_s": r["model"].a,
                   "bandwidth_Bps_per_server": r["model"].bandwidth, "hosts": r["model"].hosts,
-                  "wall_s": r["wall_s"], "clean_exit": r["ok"]} for r in ok],
+                  "measured_points": r["model"].measured, "wall_s": r["wall_s"], "clean_exit": r["ok"]}
+                 for r in ok],
         "rows": rows,
         "failures": [{"workers": r["workers"], "servers": r["servers"], "reason": r["reason"],
                       "model_salvaged": r["model"] is not None,

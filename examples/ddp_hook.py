@@ -26,7 +26,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--schedule", default="wfbp", choices=["default", "wfbp", "priority"])
+    parser.add_argument("--schedule", choices=["default", "wfbp", "priority"],
+                        help="default: IMERGE_SCHEDULE, else wfbp")
     parser.add_argument("--checkpoint", help="save after every epoch; resume from it if it exists")
     args = parser.parse_args()
 

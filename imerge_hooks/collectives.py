@@ -1,7 +1,9 @@
-"""Object collectives with a deadline: what every IMerge-internal collective step uses.
+"""Object collectives with a deadline and an identity: what every IMerge-internal collective step uses.
 
 MPI's blocking collectives hang when a rank never arrives (dead, stopped, or on another code
-path); these raise ``IMergeTimeoutError`` naming the ranks that did not arrive.
+path); these raise ``IMergeTimeoutError`` naming the ranks that did not arrive. Each carries
+what it is (its kind, its description and root), so two ranks in different collectives raise
+``IMergeMismatchError`` naming both calls instead of taking each other's values.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._mpi import MPI
-from .errors import IMergeTimeoutError
+from .errors import IMergeMismatchError, IMergeTimeoutError
 from .failure import record_fatal, whoami
 from .polling import DeadlineWait
 from .wire import TAG_COLLECTIVE
@@ -24,7 +26,7 @@ def configure(timeout_s: float) -> None:
 
 
 def collective(comm: MPI.Comm, op: str, value: Any, what: str, *, root: int = 0, timeout_s: float | None = None,
-               ranks: str = "worker", spin_s: float | None = None) -> Any:
+               ranks: str = "worker", spin_s: float | None = None, call: str | None = None) -> Any:
     """An object collective over ``comm`` that raises IMergeTimeoutError instead of waiting forever.
 
     ``op``: ``allgather`` (every rank's value, by rank), ``bcast`` (``root``'s value), ``gather``
@@ -33,33 +35,73 @@ def collective(comm: MPI.Comm, op: str, value: Any, what: str, *, root: int = 0,
     path), and MPICH spins a core meanwhile. Here each value goes point to point by synchronous
     send, polled with back-off (``spin_s``: how long to spin first) until ``timeout_s`` (default:
     ``configure``'s); the error names ``what`` and the ``ranks`` (what ``comm``'s ranks are called)
-    that did not arrive. Every rank must call the same collectives in the same order.
+    that did not arrive.
+
+    Every rank sends one message to every other rank, whatever ``op`` is: the value where ``op``
+    delivers it, and always this call's identity (``op``, the root, and ``call``: how messages
+    name it, by default ``op`` and ``what``). So every rank learns what every other rank called,
+    and if any two differ every rank raises IMergeMismatchError naming its own call and the
+    others'. No message is left behind (the ranks stay in step) and no collective ever returns
+    another's value. Every rank must call the same collectives in the same order.
     """
+    if op not in _VERBS:
+        raise ValueError(f"IMerge internal: unknown collective {op!r}")
     me, size = comm.Get_rank(), comm.Get_size()
-    sources, dests = _collective_peers(op, me, size, root)
-    payload = MPI.pickle.dumps(None if op == "barrier" else value)  # pickled once, sent to every peer
-    sends = {r: comm.Issend([payload, MPI.BYTE], dest=r, tag=TAG_COLLECTIVE) for r in dests}
-    got = wait_for(comm, sources, sends, TAG_COLLECTIVE, f"{op} of {what}", timeout_s, ranks, spin_s)
-    got[me] = value
+    mine = (op, call if call is not None else _describe(op, what), root if op in ("bcast", "gather") else None)
+    others = [r for r in range(size) if r != me]
+    with_value = MPI.pickle.dumps((mine, value))  # pickled once, sent to every peer that gets the value
+    without = MPI.pickle.dumps((mine, None))
+    sends = {r: comm.Issend([with_value if _delivers(op, me, r, root) else without, MPI.BYTE], dest=r,
+                            tag=TAG_COLLECTIVE) for r in others}
+    got = wait_for(comm, others, sends, TAG_COLLECTIVE, f"{op} of {what}", timeout_s, ranks, spin_s)
+    _check_same_call(mine, {r: tuple(identity) for r, (identity, _) in got.items()}, ranks)
+    values = {r: v for r, (_, v) in got.items()}
+    values[me] = value
     if op == "barrier":
         return None
     if op == "max":
-        return max(got.values())
+        return max(values.values())
     if op == "bcast":
-        return got[root]
-    return [got[r] for r in range(size)] if op == "allgather" or me == root else None
+        return values[root]
+    return [values[r] for r in range(size)] if op == "allgather" or me == root else None
 
 
-def _collective_peers(op: str, me: int, size: int, root: int) -> tuple[list[int], list[int]]:
-    """The ranks this rank receives from and the ranks it sends to in collective ``op``."""
-    others = [r for r in range(size) if r != me]
-    if op in ("allgather", "max", "barrier"):
-        return others, others
+_VERBS = {"allgather": "an allgather of", "max": "a max of", "barrier": "a barrier:", "bcast": "a broadcast of",
+          "gather": "a gather of"}
+
+
+def _describe(op: str, what: str) -> str:
+    """How messages name a collective: ``a broadcast of worker 0's address``, ``barrier()``."""
+    return what if op == "barrier" and "barrier" in what else f"{_VERBS[op]} {what}"
+
+
+def _delivers(op: str, sender: int, receiver: int, root: int) -> bool:
+    """Whether collective ``op`` delivers ``sender``'s value to ``receiver``."""
+    if op in ("allgather", "max"):
+        return True
     if op == "bcast":
-        return ([], others) if me == root else ([root], [])
-    if op == "gather":
-        return (others, []) if me == root else ([], [root])
-    raise ValueError(f"IMerge internal: unknown collective {op!r}")
+        return sender == root
+    return op == "gather" and receiver == root
+
+
+def _check_same_call(mine: tuple, theirs: dict[int, tuple], ranks: str) -> None:
+    """Raise IMergeMismatchError naming this rank's call and every other one if any rank called another."""
+    others: dict[tuple, list[int]] = {}
+    for r, identity in sorted(theirs.items()):
+        if identity != mine:
+            others.setdefault(identity, []).append(r)
+    if not others:
+        return
+    detail = any(identity[1] == mine[1] for identity in others)  # same name: tell the kinds and roots apart
+
+    def name(identity: tuple) -> str:
+        op, text, root = identity
+        return text + (f" ({op}" + (f" rooted at {ranks} {root})" if root is not None else ")") if detail else "")
+
+    peers = "; ".join(f"{ranks} {rs[0]} called {name(identity)}" if len(rs) == 1 else
+                      f"{ranks}s {rs} called {name(identity)}" for identity, rs in others.items())
+    raise IMergeMismatchError(f"{whoami()}: called {name(mine)}, but {peers}: every {ranks} must run the same "
+                              "collectives in the same order")
 
 
 def wait_for(comm: MPI.Comm, sources: list[int], sends: dict[int, MPI.Request], tag: int, what: str,

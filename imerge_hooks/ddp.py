@@ -54,20 +54,20 @@ class IMergeHookState:
     bucket once DDP has handed over the last), ``priority`` (buckets cut into partitions, front
     layers first, credit-bounded), or a planned schedule (``threshold``, ``mgwfbp``,
     ``adaptive-ps``: adjacent buckets merged after ``profile_steps`` profiled iterations).
+    Not given, it is ``init(schedule=...)``'s, else ``IMERGE_SCHEDULE``, else ``wfbp``; ``imerge``
+    from one of those (a job-wide setting) runs as ``adaptive-ps`` here, its plan without the
+    overlap that a comm hook cannot have (logged once); ``schedule="imerge"`` itself is refused.
     ``named_parameters`` (optional) lets error messages name tensors. ``process_group``
     (optional): DDP's group, checked to be all the workers (the servers average over all of them).
     """
 
-    def __init__(self, schedule: str = "wfbp", named_parameters: Any | None = None,
+    def __init__(self, schedule: str | None = None, named_parameters: Any | None = None,
                  process_group: Any | None = None, **config: Any) -> None:
         if not runtime.is_initialized():
             _refuse_world_process_group()
             runtime.init()
         _check_process_group(process_group)
-        wanted = os.environ.get("IMERGE_SCHEDULE") if schedule is None else schedule
-        if wanted is not None and wanted not in _BUCKET_SCHEDULES and wanted not in SCHEDULE_TRAITS:
-            raise IMergeConfigError(f"IMerge: unknown schedule {wanted!r} for the DDP hook; it supports "
-                                    f"{', '.join(_BUCKET_SCHEDULES)}")
+        schedule = _hook_schedule(schedule)
         self.cfg = runtime.engine_config("IMergeHookState", schedule=schedule, **config)
         if self.cfg.schedule not in _BUCKET_SCHEDULES:
             raise IMergeConfigError(
@@ -212,6 +212,40 @@ class IMergeHookState:
             engine.accept(self._tensor(b), self.outstanding[b][0])
         engine.push_remaining()  # buckets the old engine averaged go along as zeros, once
         self.iteration_open = True
+
+
+DEFAULT_SCHEDULE = "wfbp"
+_OVERLAP_STAND_IN = "adaptive-ps"  # `imerge` without what a comm hook cannot do: partitions and the overlap
+_logged_stand_in = False
+
+
+def _hook_schedule(schedule: str | None) -> str:
+    """The hook's schedule: the argument > ``init(schedule=...)`` > ``IMERGE_SCHEDULE`` > ``wfbp``.
+
+    ``imerge`` set job-wide (``init()`` or the env var) becomes ``adaptive-ps`` with one log line:
+    the job's other engines may use it, and the hook's nearest schedule is its plan without the
+    overlap. Asked for by name here, it is refused (``IMergeHookState.__init__``)."""
+    global _logged_stand_in
+    if schedule is not None:
+        source, name = "the schedule argument", schedule
+    elif runtime.init_option("schedule") is not None:
+        source, name = "imerge_hooks.init(schedule=...)", runtime.init_option("schedule")
+    elif os.environ.get("IMERGE_SCHEDULE"):
+        source, name = "IMERGE_SCHEDULE", os.environ["IMERGE_SCHEDULE"]
+    else:
+        return DEFAULT_SCHEDULE
+    if name not in _BUCKET_SCHEDULES and name not in SCHEDULE_TRAITS:
+        raise IMergeConfigError(f"IMerge: unknown schedule {name!r} ({source}) for the DDP hook; it supports "
+                                f"{', '.join(_BUCKET_SCHEDULES)}")
+    if schedule is None and name not in _BUCKET_SCHEDULES:
+        if not _logged_stand_in and runtime.topology().worker_rank == 0:
+            log.warning("IMerge: %s is %r, which overlaps with the next forward pass; a DDP comm hook cannot "
+                        "(DDP waits for every bucket before step()), so the DDP hook runs %r (the same plan, no "
+                        "overlap). Pass IMergeHookState(schedule=...) to choose, or use DistributedOptimizer for "
+                        "the overlap", source, name, _OVERLAP_STAND_IN)
+        _logged_stand_in = True
+        return _OVERLAP_STAND_IN
+    return name
 
 
 def _refuse_world_process_group() -> None:

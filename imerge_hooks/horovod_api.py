@@ -5,29 +5,41 @@ see them), moving tensors through host memory: CPU tensors as numpy views, CUDA 
 through ``.cpu()`` and copied back to their device. Each op first agrees on every worker's
 shapes, dtypes and arguments with a deadline collective (``collectives.collective``), so a
 missing worker is named instead of waited for and a mismatch raises on every worker with the
-worker and tensor it concerns; then the data moves by a non-blocking MPI collective polled
-with back-off until ``timeout_s``.
+worker and tensor it concerns (a worker in another op or name: IMergeMismatchError naming both
+calls); then the data moves by a non-blocking MPI collective polled with back-off until
+``timeout_s``.
 
 Differences from Horovod (see ``docs/compatibility.md``): ops are matched by call order, not
-by name (every worker must issue the same ops in the same order; names are compared and only
-used in messages); ``*_async`` ops run eagerly, their handle's ``synchronize()`` returns the
-result and ``poll()`` is always True; only the global process set exists.
+by name (every worker must issue the same ops in the same order; kinds and names are checked);
+``*_async`` ops run eagerly, their handle's ``synchronize()`` returns the result and ``poll()``
+is always True; only the global process set exists.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import enum
 import itertools
+import operator
+import os
+import sys
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import torch
 
 from . import runtime
 from ._mpi import MPI
 from .collectives import collective
-from .errors import IMergeConfigError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
+from .errors import (
+    IMergeArgumentError,
+    IMergeConfigError,
+    IMergeMismatchError,
+    IMergeTimeoutError,
+    IMergeUsageError,
+)
 from .failure import record_fatal, whoami
 from .layout import Compression
 from .polling import DeadlineWait
@@ -147,28 +159,27 @@ def _label(kind: str, name: str | None) -> str:
 def _agree(kind: str, name: str | None, meta: dict[str, Any], same: Sequence[str],
            problem: str | None = None) -> tuple[str, list[dict[str, Any]]]:
     """Every worker's ``meta`` for this op, gathered with a deadline; raise on every worker alike if a
-    worker reported a ``problem``, ran another op or name, or differs from worker 0 in a field of ``same``.
+    worker ran another op or name (IMergeMismatchError from the collective, naming both calls),
+    reported a ``problem`` with its arguments (IMergeArgumentError, a ValueError as Horovod's), or
+    differs from worker 0 in a field of ``same``.
 
     Returns the op's label (its name, or a generated one) and the metas by worker rank.
     """
     topo = _topology()
     label = _label(kind, name)
-    entries = collective(topo.worker_comm, "allgather", (kind, name, meta, problem), f"{kind} of tensor {label!r}")
+    call = f"{kind} of tensor {name!r}" if name else f"{kind} of an unnamed tensor"
+    entries = collective(topo.worker_comm, "allgather", (meta, problem), f"{kind} of tensor {label!r}", call=call)
     where = f"{whoami()}: {kind} of tensor {label!r}"
-    kind0, name0, meta0, _ = entries[0]
-    for r, (k, n, _, _) in enumerate(entries):
-        if (k, n) != (kind0, name0):
-            raise IMergeMismatchError(f"{where}: worker {r} called {k} of {n!r} where worker 0 called {kind0} of "
-                                      f"{name0!r}: every worker must run the same collectives in the same order")
-    for r, (_, _, _, why) in enumerate(entries):
+    for r, (_, why) in enumerate(entries):
         if why is not None:
-            raise IMergeUsageError(f"{where}: worker {r}: {why}")
-    for r, (_, _, m, _) in enumerate(entries):
+            raise IMergeArgumentError(f"{where}: worker {r}: {why}")
+    meta0 = entries[0][0]
+    for r, (m, _) in enumerate(entries):
         for field in same:
             if m[field] != meta0[field]:
                 raise IMergeMismatchError(f"{where}: worker {r} has {field} {m[field]} but worker 0 has "
                                           f"{meta0[field]}")
-    return label, [m for _, _, m, _ in entries]
+    return label, [m for m, _ in entries]
 
 
 def _wait(requests: list[Any], what: str) -> None:
@@ -309,13 +320,32 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
-    """Each tensor of ``tensors`` reduced over the workers, agreed as one op (not differentiable)."""
+    """Each tensor of ``tensors`` reduced over the workers, agreed as one op. Differentiable like Horovod's."""
     check_process_set(process_set, "grouped_allreduce")
     op = resolve_op(op, average, "grouped_allreduce")
     codec = _compressor(compression)
     squeezed = [codec.compress(t) for t in tensors]
-    results = _reduced("grouped_allreduce", [t for t, _ in squeezed], name, op, prescale_factor, postscale_factor)
+    inputs = [t for t, _ in squeezed]
+    if any(_differentiable(t) for t in inputs):
+        results = _GroupedAllreduceFunction.apply(name, op, prescale_factor, postscale_factor, *inputs)
+    else:
+        results = _reduced("grouped_allreduce", inputs, name, op, prescale_factor, postscale_factor)
     return [codec.decompress(r, ctx) for r, (_, ctx) in zip(results, squeezed)]
+
+
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    """Differentiable grouped allreduce, as Horovod's: the gradients are reduced with the same op and factors."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return tuple(_reduced("grouped_allreduce", list(tensors), name, op, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        return (None, None, None, None,
+                *_reduced("grouped_allreduce", list(grads), None, ctx.op, ctx.prescale, ctx.postscale))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -352,19 +382,27 @@ def _write_back(tensor: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------- allgather
 def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     """Every worker's ``tensor`` concatenated along dim 0 in rank order (first dims may differ)."""
-    problem = _not_a_tensor(tensor)
-    flat = tensor.reshape(1) if problem is None and tensor.dim() == 0 else tensor
-    meta = {"rows": flat.shape[0] if problem is None else 0,
-            "shape after dim 0": tuple(flat.shape[1:]) if problem is None else (),
-            "dtype": str(flat.dtype) if problem is None else ""}
-    label, metas = _agree("allgather", name, meta, ("shape after dim 0", "dtype"), problem)
+    return _gathered_many("allgather", [tensor], name)[0]
+
+
+def _gathered_many(kind: str, tensors: Sequence[torch.Tensor], name: str | None) -> list[torch.Tensor]:
+    """Each of ``tensors`` gathered as ``_gathered`` does, agreed as one op."""
+    problem = next((f"tensor {i}: {why}" for i, t in enumerate(tensors) if (why := _not_a_tensor(t))), None)
+    flats = [t.reshape(1) if t.dim() == 0 else t for t in tensors] if problem is None else []
+    meta = {"rows": [f.shape[0] for f in flats], "shapes after dim 0": [tuple(f.shape[1:]) for f in flats],
+            "dtypes": [str(f.dtype) for f in flats]}
+    label, metas = _agree(kind, name, meta, ("shapes after dim 0", "dtypes"), problem)
     comm = _topology().worker_comm
-    rows = [m["rows"] for m in metas]
-    out = torch.empty((sum(rows), *flat.shape[1:]), dtype=flat.dtype)
-    counts = [r * _row_bytes(flat) for r in rows]
-    request = comm.Iallgatherv([_raw(_host(flat)), MPI.BYTE], [_raw(out), counts, _displacements(counts), MPI.BYTE])
-    _wait([request], f"allgather of {label!r}")
-    return out.to(tensor.device)
+    outs, requests = [], []
+    for i, flat in enumerate(flats):
+        rows = [m["rows"][i] for m in metas]
+        out = torch.empty((sum(rows), *flat.shape[1:]), dtype=flat.dtype)
+        counts = [r * _row_bytes(flat) for r in rows]
+        requests.append(comm.Iallgatherv([_raw(_host(flat)), MPI.BYTE],
+                                         [_raw(out), counts, _displacements(counts), MPI.BYTE]))
+        outs.append(out)
+    _wait(requests, f"{kind} of {label!r}")
+    return [out.to(t.device) for out, t in zip(outs, tensors)]
 
 
 def _row_bytes(tensor: torch.Tensor) -> int:
@@ -410,11 +448,66 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     return _handle(_gathered(tensor, name))
 
 
+class _GroupedAllgatherFunction(torch.autograd.Function):
+    """Differentiable grouped allgather, as Horovod's: each averaged gradient's rows of this worker."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.rows = [t.shape[0] if t.dim() else 1 for t in tensors]
+        ctx.scalars = [t.dim() == 0 for t in tensors]
+        return tuple(_gathered_many("grouped_allgather", tensors, name))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        reduced = _reduced("grouped_allreduce", list(grads), None, ReduceOp.Average, 1.0, 1.0)
+        rows = _gathered(torch.tensor([ctx.rows]), None)  # (workers, tensors)
+        me = runtime.topology().worker_rank
+        mine = [r.narrow(0, int(rows[:me, i].sum()), n) for i, (r, n) in enumerate(zip(reduced, ctx.rows))]
+        return (None, *(m.reshape(()) if scalar else m for m, scalar in zip(mine, ctx.scalars)))
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: Any = global_process_set) -> list[torch.Tensor]:
+    """Each of ``tensors`` allgathered (``allgather``), agreed as one op. Differentiable like Horovod's."""
+    check_process_set(process_set, "grouped_allgather")
+    if any(_differentiable(t) for t in tensors):
+        return list(_GroupedAllgatherFunction.apply(name, *tensors))
+    return _gathered_many("grouped_allgather", tensors, name)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: Any = global_process_set) -> int:
+    """``grouped_allgather`` run now; ``synchronize(handle)`` returns the list of results."""
+    check_process_set(process_set, "grouped_allgather_async")
+    return _handle(_gathered_many("grouped_allgather", tensors, name))
+
+
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
     """Every worker's picklable ``obj``, by rank."""
     check_process_set(process_set, "allgather_object")
-    what = f"allgather_object of {name!r}" if name else "allgather_object"
-    return collective(_topology().worker_comm, "allgather", obj, what)
+    what = f"allgather_object of {name!r}" if name else "allgather_object()"
+    return collective(_topology().worker_comm, "allgather", obj, what, call=what)
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
+                           process_set: Any = global_process_set) -> Callable[[], torch.Tensor]:
+    """A sparse ``tensor`` reduced over the workers (Sum or Average), as Horovod's: every worker's
+    indices and values allgathered (as ops ``{name}.indices`` and ``{name}.values``) into one
+    uncoalesced sparse tensor. Run now; returns a callable that returns the result, as Horovod's."""
+    check_process_set(process_set, "sparse_allreduce_async")
+    op = reduce_op(op, "sparse_allreduce_async")
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise IMergeArgumentError(f"{whoami()}: sparse_allreduce_async of {name!r}: op={op.name} is not supported "
+                                  "(use Average or Sum)")
+    if not (isinstance(tensor, torch.Tensor) and tensor.is_sparse):
+        raise IMergeArgumentError(f"{whoami()}: sparse_allreduce_async of {name!r}: expected a sparse COO tensor, "
+                                  f"got {tensor if not isinstance(tensor, torch.Tensor) else tensor.layout}")
+    indices = _gathered(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices")
+    values = _gathered(tensor._values(), f"{name}.values")
+    if op is ReduceOp.Average:
+        values = values / runtime.topology().num_workers
+    result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, tensor.shape)
+    return lambda: result
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -495,10 +588,17 @@ def _split_rows(tensor: torch.Tensor, splits: Any, size: int) -> tuple[list[int]
         if rows % size:
             return [0] * size, f"dim 0 ({rows}) is not divisible by {size} workers; pass splits="
         return [rows // size] * size, None
+    if isinstance(splits, torch.Tensor) and (splits.is_floating_point() or splits.is_complex()):
+        return [0] * size, f"splits must be integers (got a {splits.dtype} tensor)"
     values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
-    if len(values) != size or any(int(v) != v or v < 0 for v in values) or sum(values) != rows:
-        return [0] * size, f"splits {values} must be {size} non-negative integers summing to dim 0 ({rows})"
-    return [int(v) for v in values], None
+    try:
+        values = [operator.index(v) for v in values]
+    except TypeError:
+        return [0] * size, f"splits {values} must be integers"
+    if len(values) != size or any(v < 0 for v in values) or sum(values) > rows:
+        return [0] * size, (f"splits {values} must be {size} non-negative integers summing to at most dim 0 "
+                            f"({rows}), as Horovod's (rows past the sum are not sent)")
+    return values, None
 
 
 def _exchanged(tensor: torch.Tensor, splits: Any, name: str | None) -> tuple[torch.Tensor, list[int]]:
@@ -526,14 +626,34 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     """Rows ``splits[j]`` of ``tensor`` to worker j (default: equal parts); the rows received, by sender.
 
     With ``splits`` given, also returns the received splits (as Horovod: a tensor like ``splits``,
-    int32 on the CPU for a list). Not differentiable.
+    int32 on the CPU for a list). Differentiable like Horovod's (the gradient goes back the same way).
     """
     check_process_set(process_set, "alltoall")
-    out, received = _exchanged(tensor, splits, name)
+    if _differentiable(tensor):
+        out, received = _AlltoallFunction.apply(tensor, splits, name)
+    else:
+        out, received = _exchanged(tensor, splits, name)
     if splits is None:
         return out
     like = splits if isinstance(splits, torch.Tensor) else torch.empty(0, dtype=torch.int32)
     return out, torch.tensor(received, dtype=like.dtype, device=like.device)
+
+
+class _AlltoallFunction(torch.autograd.Function):
+    """Differentiable alltoall, as Horovod's: each received row's gradient goes back to its sender."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None) -> tuple[torch.Tensor, list[int]]:
+        out, received = _exchanged(tensor, splits, name)
+        ctx.received, ctx.shape = received, tensor.shape
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _received: Any) -> tuple:
+        back, _ = _exchanged(grad.contiguous(), ctx.received, None)
+        if back.shape[0] < ctx.shape[0]:  # rows past the splits' sum were not sent
+            back = torch.cat([back, back.new_zeros((ctx.shape[0] - back.shape[0], *ctx.shape[1:]))])
+        return back, None, None
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
@@ -550,34 +670,65 @@ def scatter_rows(rows: int, size: int) -> list[int]:
     return [rows // size + (1 if r < rows % size else 0) for r in range(size)]
 
 
-def _scattered(tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float,
-               postscale: float) -> torch.Tensor:
-    """``tensor`` reduced over the workers; this worker's rows of it (``scatter_rows``)."""
-    problem = _reduce_problem(tensor)
-    if problem is None and tensor.dim() == 0:
-        problem = "a scalar cannot be scattered along dim 0"
-    shape, dtype = _describe(tensor) if problem is None else ((), "")
-    label, _ = _agree("reducescatter", name, {"shape": shape, "dtype": dtype, "op": op.name},
-                      ("shape", "dtype", "op"), problem)
+def _scattered(kind: str, tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp, prescale: float,
+               postscale: float) -> list[torch.Tensor]:
+    """Each of ``tensors`` reduced over the workers; this worker's rows of it (``scatter_rows``), agreed as one op."""
+    problem = next((f"tensor {i}: {why}" for i, t in enumerate(tensors) if (why := _reduce_problem(t))), None)
+    if problem is None:
+        problem = next((f"tensor {i}: a scalar cannot be scattered along dim 0" for i, t in enumerate(tensors)
+                        if t.dim() == 0), None)
+    ok = problem is None
+    meta = {"shapes": [_describe(t)[0] for t in tensors] if ok else [],
+            "dtypes": [_describe(t)[1] for t in tensors] if ok else [], "op": op.name}
+    label, _ = _agree(kind, name, meta, ("shapes", "dtypes", "op"), problem)
     topo = _topology()
-    rows = scatter_rows(tensor.shape[0], topo.num_workers)
-    per_row = tensor[0:1].numel() if tensor.shape[0] else 0
-    send = _scale(_host(tensor).to(_compute_dtype(tensor.dtype)), prescale).contiguous()
-    recv = torch.empty((rows[topo.worker_rank], *tensor.shape[1:]), dtype=send.dtype)
-    request = topo.worker_comm.Ireduce_scatter(send.numpy(), recv.numpy(), [r * per_row for r in rows],
-                                               op=getattr(MPI, _MPI_OPS[op]))
-    _wait([request], f"reducescatter of {label!r}")
-    return _finish(recv, op, topo.num_workers, postscale, tensor)
+    recvs, requests = [], []
+    for tensor in tensors:
+        rows = scatter_rows(tensor.shape[0], topo.num_workers)
+        per_row = tensor[0:1].numel() if tensor.shape[0] else 0
+        send = _scale(_host(tensor).to(_compute_dtype(tensor.dtype)), prescale).contiguous()
+        recv = torch.empty((rows[topo.worker_rank], *tensor.shape[1:]), dtype=send.dtype)
+        requests.append(topo.worker_comm.Ireduce_scatter(send.numpy(), recv.numpy(), [r * per_row for r in rows],
+                                                         op=getattr(MPI, _MPI_OPS[op])))
+        recvs.append((send, recv))  # the send buffer lives until the request completes
+    _wait(requests, f"{kind} of {label!r}")
+    return [_finish(recv, op, topo.num_workers, postscale, t) for (_, recv), t in zip(recvs, tensors)]
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    """Differentiable (grouped) reducescatter, as Horovod's: the gradients scaled (by size() for Sum, and by
+    the factors) and allgathered."""
+
+    @staticmethod
+    def forward(ctx: Any, kind: str, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.factor = (runtime.topology().num_workers if op is ReduceOp.Sum else 1) * prescale * postscale
+        return tuple(_scattered(kind, tensors, name, op, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        scaled = [g * ctx.factor if ctx.factor != 1 else g for g in grads]
+        return (None, None, None, None, None, *_gathered_many("grouped_allgather", scaled, None))
+
+
+def _reducescattered(kind: str, tensors: Sequence[torch.Tensor], name: str | None, op: ReduceOp, prescale: float,
+                     postscale: float) -> list[torch.Tensor]:
+    if any(_differentiable(t) for t in tensors):
+        return list(_ReducescatterFunction.apply(kind, name, op, prescale, postscale, *tensors))
+    return _scattered(kind, tensors, name, op, prescale, postscale)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: Any = ReduceOp.Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
-    """``tensor`` reduced over the workers (default: averaged), this worker's part of dim 0. Not differentiable."""
+    """``tensor`` reduced over the workers (default: averaged), this worker's part of dim 0.
+
+    Differentiable like Horovod's."""
     check_process_set(process_set, "reducescatter")
     codec = _compressor(compression)
     squeezed, ctx = codec.compress(tensor)
-    result = _scattered(squeezed, name, reduce_op(op, "reducescatter"), prescale_factor, postscale_factor)
+    result = _reducescattered("reducescatter", [squeezed], name, reduce_op(op, "reducescatter"), prescale_factor,
+                              postscale_factor)[0]
     return codec.decompress(result, ctx)
 
 
@@ -585,7 +736,31 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
     """``reducescatter`` run now; ``synchronize(handle)`` returns its result."""
-    return _handle(reducescatter(tensor, name, Compression.none, op, process_set, prescale_factor, postscale_factor))
+    check_process_set(process_set, "reducescatter_async")
+    return _handle(_scattered("reducescatter", [tensor], name, reduce_op(op, "reducescatter_async"), prescale_factor,
+                              postscale_factor)[0])
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Any = Compression.none, op: Any = ReduceOp.Average,
+                          process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Each of ``tensors`` reducescattered (``reducescatter``), agreed as one op. Differentiable like Horovod's."""
+    check_process_set(process_set, "grouped_reducescatter")
+    codec = _compressor(compression)
+    squeezed = [codec.compress(t) for t in tensors]
+    results = _reducescattered("grouped_reducescatter", [t for t, _ in squeezed], name,
+                               reduce_op(op, "grouped_reducescatter"), prescale_factor, postscale_factor)
+    return [codec.decompress(r, ctx) for r, (_, ctx) in zip(results, squeezed)]
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: Any = ReduceOp.Average, process_set: Any = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """``grouped_reducescatter`` run now; ``synchronize(handle)`` returns the list of results."""
+    check_process_set(process_set, "grouped_reducescatter_async")
+    return _handle(_scattered("grouped_reducescatter", tensors, name, reduce_op(op, "grouped_reducescatter_async"),
+                              prescale_factor, postscale_factor))
 
 
 # ---------------------------------------------------------------------- handles, barrier, join
@@ -614,7 +789,7 @@ def synchronize(handle: int) -> Any:
 def barrier(process_set: Any = global_process_set) -> None:
     """Return when every worker has called ``barrier()`` (with a deadline)."""
     check_process_set(process_set, "barrier")
-    collective(_topology().worker_comm, "barrier", None, "barrier()")
+    collective(_topology().worker_comm, "barrier", None, "barrier()", call="barrier()")
 
 
 def join(device: int = -1) -> int:
@@ -628,10 +803,39 @@ _cross: tuple[int, int, bool] | None = None  # (cross_rank, cross_size, homogene
 
 def init(num_servers: int | None = None, *, serve: str = "forever", **config: Any) -> None:
     """``runtime.init`` (collective over COMM_WORLD: servers serve there and exit), then on the workers
-    the host layout behind ``cross_rank()``/``cross_size()`` (a worker collective), so those are local."""
-    runtime.init(num_servers, serve=serve, **config)
+    the host layout behind ``cross_rank()``/``cross_size()`` (a worker collective), so those are local.
+
+    A server's process ends in here once its workers are done, even under a test runner: unittest
+    (and pytest running it) catches the ``SystemExit`` that ends a server, and would go on to run
+    the rest of the suite on the server (``mpiexec -n W+S pytest``, as Horovod's suites run).
+    """
+    try:
+        runtime.init(num_servers, serve=serve, **config)
+    except SystemExit as done:
+        if runtime.is_initialized() and runtime.topology().is_server:
+            _end_server_process(done.code if isinstance(done.code, int) else 0)
+        raise
     if not runtime.topology().is_server:
         _host_layout()
+
+
+def _end_server_process(code: int) -> NoReturn:
+    """What the interpreter's exit does (atexit handlers, flushed streams, MPI_Finalize, C ``exit``).
+
+    C ``exit``, not ``os._exit``: MPICH's process manager sometimes takes a process that ``_exit``s
+    right after MPI_Finalize for a crashed one; it then kills the other ranks and the job's exit
+    status is lost (measured: 9 or 0 where the workers exited 1, in about one launch in three).
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
+    ctypes.CDLL(None).exit(code)
+    os._exit(code)  # not reached
 
 
 def _host_layout() -> tuple[int, int, bool]:

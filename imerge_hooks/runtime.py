@@ -51,6 +51,7 @@ class _State:
         self.clients = itertools.count()
         self.process_group: Any = None
         self.own_process_group = False
+        self.master: tuple[str, int] | None = None  # the workers' torch.distributed rendezvous (worker 0)
         self.shut_down = False
         self.flush_callbacks: list = []
         self.join_callbacks: list = []  # engines finish their iteration before a join
@@ -72,7 +73,8 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     The last ``num_servers`` ranks (default: ``IMERGE_NUM_SERVERS``, or the ranks launched as
     ``python -m imerge_hooks.server`` in an MPMD job, or 0) become parameter servers: on them
     ``init`` serves until every worker has shut down and then exits the process with code 0.
-    On workers it returns. A second call on a worker is a no-op. In a job of several ranks an
+    On workers it returns, in a job of several ranks with torchrun's variables set for the
+    workers-only world (``export_torch_env``). A second call on a worker is a no-op. In a job of several ranks an
     uncaught exception in any thread then aborts the whole MPI job (``_install_excepthooks``).
     """
     if _state.topology is not None:
@@ -117,6 +119,9 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
             serve_until_shutdown()
             raise SystemExit(0)
         return
+    _state.master = _agree_master_address_port(topo)
+    if topo.world_size > 1:  # launched as a job; `python train.py` alone stays a plain single process
+        export_torch_env()
     if topo.num_servers > 0:
         on_event = _timeline_comm_event if _state.timeline is not None else None
         _state.comm_thread = CommThread(topo.data_comm, topo.worker_rank, topo.num_workers, topo.num_servers,
@@ -223,6 +228,11 @@ def engine_config(where: str, **options: Any) -> Config:
         raise IMergeConfigError(f"IMerge: {', '.join(misplaced)}: process option(s) that {where} cannot change; "
                                 f"pass them to imerge_hooks.init() or set IMERGE_{misplaced[0].upper()}")
     return Config.from_env(None, **{**_state.explicit, **given})
+
+
+def init_option(name: str) -> Any:
+    """The value ``init()`` was given for engine option ``name`` (None: not given)."""
+    return _state.explicit.get(name)
 
 
 def comm_thread() -> CommThread | None:
@@ -455,11 +465,48 @@ def _collective_sender(comm: MPI.Comm) -> int | None:
 
 
 # ---------------------------------------------------------------------- torch.distributed
+TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torch_env() -> dict[str, str]:
+    """torchrun's variables for this worker in the workers-only world (servers are not in it)."""
+    topo = topology()
+    if topo.is_server:
+        raise IMergeUsageError(f"IMerge: world rank {topo.world_rank} is a server; it has no torch.distributed rank")
+    address, port = master_address_port()
+    return {"RANK": str(topo.worker_rank), "WORLD_SIZE": str(topo.num_workers), "LOCAL_RANK": str(topo.local_rank),
+            "LOCAL_WORLD_SIZE": str(topo.local_size), "MASTER_ADDR": address, "MASTER_PORT": str(port)}
+
+
+def export_torch_env() -> None:
+    """Set ``TORCH_ENV`` where unset, so scripts written for torchrun (which read ``RANK``,
+    ``WORLD_SIZE``, ... to decide whether to run distributed, and ``init_process_group``'s env://
+    default) see the workers as their world. A value already set must agree, else
+    ``IMergeConfigError`` names the variable, its value and the expected one (on every worker:
+    collective over the workers, so no worker goes on to wait for one that raised)."""
+    topo = topology()
+    expected = torch_env()
+    wrong = [f"{name}={os.environ[name]!r} (expected {value!r})" for name, value in expected.items()
+             if os.environ.get(name) not in (None, value)]
+    problems = collective(topo.worker_comm, "allgather", wrong, "the workers' check of RANK, WORLD_SIZE, ...")
+    if any(problems):
+        said = "; ".join(f"worker {w}: {', '.join(p)}" for w, p in enumerate(problems) if p)
+        raise IMergeConfigError(
+            f"IMerge: the environment contradicts the workers-only world of {topo.num_workers} worker(s) and "
+            f"{topo.num_servers} server(s): {said}. imerge_hooks.init() sets these for torch.distributed where they "
+            "are unset; unset them (do not launch under torchrun as well as mpiexec)")
+    for name, value in expected.items():
+        os.environ.setdefault(name, value)
+
+
 def worker_group():
     """A torch.distributed process group over the workers only (gloo on CPU, nccl on GPU).
 
     Collective over workers on first call. If torch.distributed is already initialised with
-    world size == number of workers (e.g. by Lightning), that default group is returned.
+    world size == number of workers (by the script, e.g. ``init_process_group("gloo")`` with
+    the env:// default that ``init()`` set up, or by Lightning), that default group is returned.
+    Otherwise it initialises the default group at ``MASTER_ADDR:MASTER_PORT`` (the same
+    rendezvous, so a script must not initialise it again afterwards).
     """
     import torch
     import torch.distributed as dist
@@ -486,8 +533,17 @@ def worker_group():
 
 
 def master_address_port() -> tuple[str, int]:
-    """Worker 0's address and a free port on it, agreed by all workers over MPI."""
-    topo = topology()
+    """Worker 0's address and a free port on it: the workers' torch.distributed rendezvous,
+    agreed by all workers in ``init()`` (``MASTER_ADDR``/``MASTER_PORT`` as worker 0 had them,
+    else 127.0.0.1 when every worker is on one host, and a port free on worker 0 then)."""
+    topology()
+    if _state.master is None:
+        raise IMergeUsageError("IMerge: servers have no torch.distributed rendezvous (workers only)")
+    return _state.master
+
+
+def _agree_master_address_port(topo: Topology) -> tuple[str, int]:
+    """Worker 0's choice of the rendezvous, on every worker (collective over the workers)."""
     hosts = collective(topo.worker_comm, "allgather", socket.gethostname(), "the workers' host names")
     if topo.worker_rank == 0:
         if os.environ.get("MASTER_ADDR"):
@@ -497,7 +553,10 @@ def master_address_port() -> tuple[str, int]:
         else:
             address = socket.gethostbyname(socket.gethostname())
         if os.environ.get("MASTER_PORT"):
-            port = int(os.environ["MASTER_PORT"])
+            port = os.environ["MASTER_PORT"]
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                raise IMergeConfigError(f"IMerge worker 0: MASTER_PORT={port!r} is not a TCP port number")
+            port = int(port)
         else:
             with socket.socket() as s:
                 s.bind(("", 0))
@@ -505,7 +564,7 @@ def master_address_port() -> tuple[str, int]:
         value = (address, port)
     else:
         value = None
-    return collective(topo.worker_comm, "bcast", value, "worker 0's address and port")
+    return tuple(collective(topo.worker_comm, "bcast", value, "worker 0's address and port"))
 
 
 # ---------------------------------------------------------------------- shutdown

@@ -180,6 +180,7 @@ class Server:
                     self._stage_ends[source] += 1
                 if len(self._shut) == self.workers:
                     self._finish("shutdown")
+                    self._warn_if_unused()
                     return "shutdown"
                 if until == "stage" and self._stage_complete():
                     self._stages += 1
@@ -204,6 +205,17 @@ class Server:
             missing = sorted(set(range(self.workers)) - k.agg.arrived)
             log.error("IMerge server %d: %s while %s still waits for worker(s) %s",
                       self.index, why, k.spec.describe(), missing)
+
+    def _warn_if_unused(self) -> None:
+        """Every worker shut down and none ever registered a tensor: the job ran, but not through
+        IMerge. Say so once (server 0), or a job that trained undistributed looks like a success."""
+        if self.index != 0 or self.epoch >= 0 or self._stages or any(self._stage_ends):
+            return
+        log.warning("IMerge server 0: every worker shut down and none ever pushed a gradient to the servers: the "
+                    "workers trained without IMerge (no DistributedOptimizer, no DDP comm hook "
+                    "imerge_hooks.ps_hook, no strategy='imerge'), or the script decided not to run distributed "
+                    "(it read RANK/WORLD_SIZE before imerge_hooks.init() set them, or ran with one worker); the %d "
+                    "server(s) did nothing", self.topo.num_servers)
 
     # ------------------------------------------------------------------ failing fast
     def _abort(self, message: str, code: int = 3) -> NoReturn:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import os
 import shutil
@@ -48,11 +49,40 @@ def mpiexec_path() -> str:
     return str(exe) if exe.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _own_group_dies_with_parent() -> None:
+    """In the child before exec: a process group of its own (killed as one), and SIGKILL when the
+    test process dies (pytest-timeout's thread method ends it with os._exit; then mpiexec goes,
+    and its proxies end the ranks)."""
+    os.setsid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the group kill on any exception still applies
+        pass
+
+
+def kill_job(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGKILL ``proc``'s process group (mpiexec, its proxies, the ranks) and return what it printed."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        out, err = proc.communicate(timeout=30)
+    except BaseException:  # noqa: BLE001 - a second interrupt while reaping: the group is dead already
+        proc.kill()
+        return "", ""
+    return out or "", err or ""
+
+
 def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None = None, timeout: float = 120,
             env: dict[str, str] | None = None) -> MPIRun:
     """Run ``python script args`` on ``n`` ranks; return code, output and each rank's stdout.
 
-    Kills the whole job (process group) on timeout and raises, so a hang fails fast.
+    Kills the whole job (process group) on timeout, or on any exception while it waits (pytest-timeout's
+    included), and raises, so a hang fails fast and leaves nothing running.
     ``IMERGE_TEST_TIMEOUT_SCALE`` (default 2) stretches every timeout on loaded machines.
     """
     timeout *= float(os.environ.get("IMERGE_TEST_TIMEOUT_SCALE", "2"))
@@ -66,14 +96,19 @@ def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None =
         full_env.update(env)
     cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            cwd=str(REPO), preexec_fn=os.setsid)
+                            cwd=str(REPO), preexec_fn=_own_group_dies_with_parent)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"mpiexec -n {n} {script} timed out after {timeout} s\n--- stdout ---\n{out[-4000:]}"
-                             f"\n--- stderr ---\n{err[-4000:]}") from None
+    except BaseException as exc:
+        # Our timeout, pytest-timeout's (signal method: pytest.fail, a BaseException raised in this
+        # wait), Ctrl-C, any error: the whole job goes, never left running behind the test.
+        out, err = kill_job(proc)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise AssertionError(f"mpiexec -n {n} {script} timed out after {timeout} s\n--- stdout ---\n"
+                                 f"{out[-4000:]}\n--- stderr ---\n{err[-4000:]}") from None
+        exc.add_note(f"mpiexec -n {n} {script} was killed (process group {proc.pid})\n--- stdout ---\n"
+                     f"{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
+        raise
     ranks: dict[int, list[str]] = {}
     for line in out.splitlines():  # scripts tag their lines "@<world rank> ..." (see tests/scripts/common.py)
         if line.startswith("@"):

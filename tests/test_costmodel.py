@@ -1,4 +1,5 @@
-"""Cost models: fits recover known parameters, PSModel interpolates monotonically."""
+"""Cost models: fits recover known parameters, PSModel interpolates monotonically; the start-up
+calibration's budget (which sizes it measures, how often, and how it extends the rest)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from imerge_hooks.plan.costmodel import CostModel, LinearModel, PSModel
+from imerge_hooks.plan import calibrate
+from imerge_hooks.plan.costmodel import CostModel, LinearModel, PSModel, extend_table, extension_slope
 
 KiB, MiB = 1 << 10, 1 << 20
 GRID = [float(KiB * 4**k) for k in range(9)]  # 1 KiB .. 64 MiB
@@ -125,3 +127,135 @@ def test_psmodel_json_round_trip(tmp_path):
 def test_psmodel_rejects_bad_tables(kwargs):
     with pytest.raises(ValueError, match="IMerge"):
         PSModel(**kwargs)
+
+
+def test_psmodel_measured_defaults_to_the_whole_grid_and_round_trips(tmp_path):
+    model = _ps_table()
+    assert model.measured == len(GRID) and "extended" not in model.describe()
+    old_cache = {k: v for k, v in model.to_dict().items() if k != "measured"}  # written before the field existed
+    assert PSModel.from_dict(old_cache) == model
+    part = PSModel.fit(4, 2, GRID, model.times, measured=6)
+    assert part.measured == 6 and "measured up to 1048576 B, extended beyond" in part.describe()
+    part.to_json(tmp_path / "m.json")
+    assert PSModel.from_json(tmp_path / "m.json") == part
+    for bad in (0, len(GRID) + 1):
+        with pytest.raises(ValueError, match="measured"):
+            PSModel.fit(4, 2, GRID, model.times, measured=bad)
+
+
+def test_extend_table_continues_a_line_exactly():
+    workers, servers, a, bw = 4, 2, 2e-3, 1.6e7
+    line = [a + workers * m / (servers * bw) for m in GRID]
+    full = PSModel.fit(workers, servers, GRID, line)
+    for n in range(2, len(GRID) + 1):
+        ext = extend_table(GRID[:n], line[:n], GRID)
+        np.testing.assert_allclose(ext, line, rtol=1e-9)
+        model = PSModel.fit(workers, servers, GRID, ext, measured=n)
+        assert model.a == pytest.approx(full.a, rel=1e-6) and model.bandwidth == pytest.approx(full.bandwidth, rel=1e-6)
+
+
+def test_extension_slope_is_robust_and_never_negative():
+    sizes = [1.0, 2.0, 3.0, 4.0]
+    assert extension_slope(sizes, [1.0, 2.0, 3.0, 4.0]) == pytest.approx(1.0)
+    # A low last point (noise) does not make the bytes free: the chord from the first point stands in.
+    assert extension_slope(sizes, [1.0, 2.0, 3.0, 3.01]) == pytest.approx((3.01 - 1.0) / 3.0)
+    assert extension_slope(sizes, [4.0, 3.0, 2.0, 1.0]) == 0.0  # falling: flat (running maximum)
+    assert extension_slope([4.0], [2.0]) == pytest.approx(0.5)  # one point: proportional to size
+    ext = extend_table(sizes[:2], [1.0, 2.0], sizes)
+    assert ext == pytest.approx([1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(ValueError, match="prefix of the grid"):
+        extend_table([2.0], [1.0], sizes)
+    with pytest.raises(ValueError, match="prefix of the grid"):
+        extend_table([], [], sizes)
+
+
+class FakeLink:
+    """Stands for ``measure``'s sampler: a table T(m) and a clock that advances by what each size costs
+    (the warm-up of the first half of the grid, then per size a warm-up and the timed samples, each
+    after a barrier)."""
+
+    def __init__(self, times: list[float], barrier_s: float = 2e-3) -> None:
+        self.times, self.barrier_s = times, barrier_s
+        self.clock = sum(times[: len(times) // 2])
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, index: int, repeats: int) -> tuple[float, float, float]:
+        self.calls.append((index, repeats))
+        self.clock += (repeats + 1) * self.times[index] + repeats * self.barrier_s
+        return self.times[index], self.clock, self.barrier_s
+
+
+def _line(workers: int, servers: int, a: float, bw: float) -> list[float]:
+    return [a + workers * m / (servers * bw) for m in GRID]
+
+
+FULL_REPEATS = [12, 12, 12, 12, 12, 5, 5, 3, 2]  # what the calibration has always measured per size
+
+
+def test_measure_grid_without_budget_measures_every_size_as_before():
+    link = FakeLink(_line(3, 1, 2e-3, 18e6))  # a slow link: only the budget may cut it short
+    times = calibrate.measure_grid([int(m) for m in GRID], link, None)
+    assert times == link.times
+    assert [i for i, _ in link.calls] == list(range(len(GRID)))
+    # Once bandwidth-bound (from 256 KiB here) a size expected to take long gets fewer repeats, never < 2.
+    repeats = [r for _, r in link.calls]
+    assert repeats[:5] == FULL_REPEATS[:5] and all(2 <= r <= f for r, f in zip(repeats, FULL_REPEATS))
+    assert repeats[-1] == 2 and sum(repeats) < sum(FULL_REPEATS)
+
+
+def test_measure_grid_on_a_fast_link_is_unchanged_by_the_budget():
+    # Loopback-like table (3 workers, 1 server on this machine): it fits the budget, so nothing changes.
+    link = FakeLink([5.4e-3, 6.7e-3, 4.2e-3, 3.9e-3, 4.6e-3, 5.5e-3, 8.0e-3, 1.73e-2, 6.83e-2], barrier_s=6e-3)
+    times = calibrate.measure_grid([int(m) for m in GRID], link, calibrate.STARTUP_BUDGET_S)
+    assert times == link.times and [r for _, r in link.calls] == FULL_REPEATS
+
+
+@pytest.mark.parametrize("workers,servers", [(2, 1), (3, 1), (4, 2)])
+def test_measure_grid_on_a_slow_link_stops_within_the_budget_and_keeps_the_model(workers, servers):
+    table = _line(workers, servers, 2e-3, 16e6)  # 250 Mbit/s-like: the whole grid takes ~40-60 s
+    budget = calibrate.STARTUP_BUDGET_S
+    whole = FakeLink(table)
+    calibrate.measure_grid([int(m) for m in GRID], whole, None)
+    link = FakeLink(table)
+    times = calibrate.measure_grid([int(m) for m in GRID], link, budget)
+    assert whole.clock > 10 * budget and link.clock <= budget
+    assert 2 <= len(times) < len(GRID) and times == table[:len(times)]
+    assert max(times) >= calibrate.BANDWIDTH_BOUND * times[0]  # stopped only once the bytes dominate
+    full = PSModel.fit(workers, servers, GRID, table)
+    model = PSModel.fit(workers, servers, GRID, extend_table(GRID[:len(times)], times, GRID), measured=len(times))
+    assert model.a == pytest.approx(full.a, rel=1e-6) and model.bandwidth == pytest.approx(full.bandwidth, rel=1e-6)
+
+
+def test_measure_grid_never_stops_before_the_bytes_dominate():
+    # A huge startup (0.5 s) and a fast link: the budget is spent on the first sizes, but a table that
+    # is still flat says nothing about the bandwidth, so it goes on until the time has grown 8-fold.
+    table = [0.5 + m / 2e6 for m in GRID]
+    link = FakeLink(table, barrier_s=0.0)
+    times = calibrate.measure_grid([int(m) for m in GRID], link, 0.0)
+    bound = next(i for i in range(len(GRID)) if table[i] >= calibrate.BANDWIDTH_BOUND * table[0])
+    assert len(times) == bound + 1 and link.clock > 1.0
+
+
+def test_measure_grid_on_a_loaded_machine_takes_fewer_samples_but_every_size():
+    # 4 workers + 2 servers on 2 busy cores: every round trip ~12 ms at small sizes, barriers and spread
+    # add 25 ms per sample, and the table only becomes bandwidth-bound at 64 MiB.
+    table = [12.0e-3, 12.5e-3, 15.8e-3, 12.5e-3, 14.8e-3, 12.3e-3, 24.3e-3, 74.4e-3, 254.7e-3]
+    whole, link = FakeLink(table, barrier_s=25e-3), FakeLink(table, barrier_s=25e-3)
+    calibrate.measure_grid([int(m) for m in GRID], whole, None)
+    times = calibrate.measure_grid([int(m) for m in GRID], link, calibrate.STARTUP_BUDGET_S)
+    assert times == table  # nothing is cut while the table is not bandwidth-bound
+    repeats = [r for _, r in link.calls]
+    assert all(min(calibrate.MIN_SHARED_REPEATS, f) <= r <= f for r, f in zip(repeats, FULL_REPEATS))
+    assert [r for _, r in whole.calls] == FULL_REPEATS and link.clock < 0.9 * whole.clock
+
+
+def test_budgeted_model_plans_as_the_whole_grid_on_a_slow_cluster(capsys):
+    # benchmarks/calibrate_budget.py: the simulated calibration of 3 workers and 1 server on 250 Mbit/s
+    # links takes ~50 s on the whole grid; the budget measures 6 sizes in ~1.4 s and every planner
+    # picks the same plan for the synthetic profile from the extended table.
+    from benchmarks import calibrate_budget
+
+    assert calibrate_budget.main(["--cluster", "3x1@250mbit", "--profiles", "synthetic-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "measures 6/9 sizes" in out and "a 600 -> 600 us, B 15.6 -> 15.6 MB/s" in out, out
+    assert out.count(": same plan") == len(calibrate_budget.SCHEDULES), out

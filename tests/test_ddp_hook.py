@@ -58,7 +58,35 @@ def test_hook_refuses_torch_distributed_over_every_rank(tmp_path):
 
 
 def test_hook_names_its_schedules_and_checks_the_process_group():
-    run = run_mpi(CONVENTIONS, 3, "bad-input", servers=1, timeout=60).check()
+    """Also: the schedule's precedence (argument > IMERGE_SCHEDULE > wfbp; a job-wide `imerge` runs
+    as adaptive-ps, said once), and a job whose workers never used IMerge is named by server 0."""
+    run = run_mpi(CONVENTIONS, 3, "bad-input", servers=1, timeout=60, env={"IMERGE_SCHEDULE": "imerge"}).check()
     for r in range(2):
         assert run.lines(r, "unknown schedule refused") and run.lines(r, "subgroup refused")
         assert run.lines(r, "worker group accepted")
+        assert run.lines(r, "schedules") == ["adaptive-ps priority default wfbp"]
+        assert run.lines(r, "imerge by name refused")
+    assert run.stderr.count("IMERGE_SCHEDULE is 'imerge', which overlaps") == 1, run.stderr
+    assert run.stderr.count("none ever pushed a gradient to the servers") == 1, run.stderr
+
+
+TORCHRUN_STYLE = Path(__file__).parent / "scripts" / "torchrun_style.py"
+
+
+def test_torchrun_style_script_trains_distributed(tmp_path):
+    """A script that decides on distributed mode from RANK/WORLD_SIZE and calls
+    init_process_group("gloo") itself: init() exported the workers-only world, worker_group()
+    reuses the script's group, the hook trains exactly, and a contradicting value is refused."""
+    run = run_mpi(TORCHRUN_STYLE, 3, str(tmp_path), servers=1, timeout=60).check()
+    for r in range(2):
+        env = dict(kv.split("=", 1) for kv in run.lines(r, "env")[0].split())
+        assert [env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] == [str(r), "2", str(r), "2"]
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        refused = run.lines(r, "refused")
+        assert refused and "worker 1: WORLD_SIZE='7' (expected '2')" in refused[0], run.stdout
+        assert run.lines(r, "distributed") == ["True"] and run.lines(r, "schedule") == ["wfbp"]
+        assert run.lines(r, "pushed")[0].split()[0] != "0"
+    assert "none ever pushed a gradient" not in run.stderr
+    params = [torch.load(tmp_path / f"params.{r}.pt") for r in range(2)]
+    assert max_diff(params[0], params[1]) == 0.0
+    assert max_diff(params[0], reference_train("sgd", 5)) <= TOL

@@ -30,15 +30,26 @@ def test_two_workers_and_a_missing_worker_is_named():
     """Every check on 2 workers + 1 server; then worker 0 runs an allreduce worker 1 never joins."""
     run = run_mpi(SCRIPT, 3, "--lonely", servers=1, timeout=60)
     assert_all_passed(run, 2, 1)
+    # the server's process ended inside init(): a test runner catching SystemExit would not run on there
+    assert "SERVER WENT ON" not in run.stdout, run.stdout[-3000:]
     timeout = run.lines(0, "TIMEOUT")
     assert len(timeout) == 1 and "allreduce of tensor 'lonely'" in timeout[0], run.stdout[-3000:]
     assert "worker(s) [1] did not arrive" in timeout[0]
     assert run.returncode != 0  # the timeout is fatal: worker 0's exit aborts the job instead of hanging
 
 
-def test_three_workers():
-    run = run_mpi(SCRIPT, 4, servers=1, timeout=60).check()
+def test_three_workers_and_an_uncaught_mismatch_ends_the_job():
+    """Every check on 3 workers + 1 server; then worker 0 calls barrier() while workers 1 and 2
+    broadcast an object, uncaught: every worker raises naming both calls, and the job exits non-zero."""
+    run = run_mpi(SCRIPT, 4, "--uncaught-mismatch", servers=1, timeout=60)
     assert_all_passed(run, 3, 1)
+    for rank in range(3):
+        said = run.lines(rank, "MISMATCH")
+        assert len(said) == 1 and "barrier()" in said[0] and "broadcast of object 'last' from worker 0" in said[0], \
+            run.stdout[-3000:]
+        assert f"worker {rank} (world rank {rank})" in said[0]
+    assert "uncaught IMergeMismatchError" in run.stderr, run.stderr[-3000:]
+    assert run.returncode != 0
 
 
 def test_single_process_job_returns_local_values():
@@ -133,6 +144,51 @@ def test_distributed_optimizer_refuses_before_starting_mpi(kwargs, match):
     optimizer = SimpleNamespace(param_groups=[{"params": list(model.parameters())}])  # never reached
     with pytest.raises(IMergeConfigError, match=match):
         hvd.DistributedOptimizer(optimizer, model.named_parameters(), **kwargs)
+
+
+def test_horovods_exception_names():
+    """Horovod code names these in ``except`` clauses; argument errors are ValueErrors as Horovod's."""
+    from imerge_hooks import errors
+
+    assert hvd.HorovodInternalError is errors.IMergeError
+    assert issubclass(hvd.IMergeMismatchError, hvd.HorovodInternalError)
+    assert issubclass(hvd.IMergeTimeoutError, hvd.HorovodInternalError)
+    assert hvd.HostsUpdatedInterrupt is errors.IMergeHostsUpdated
+    assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError)
+    assert hvd.HostsUpdatedInterrupt(skip_sync=True).skip_sync is True
+    assert issubclass(hvd.IMergeArgumentError, ValueError) and issubclass(hvd.IMergeArgumentError,
+                                                                           hvd.IMergeUsageError)
+
+
+def test_a_collective_mismatch_names_both_calls():
+    from imerge_hooks import collectives
+    from imerge_hooks.errors import IMergeMismatchError
+
+    mine = ("barrier", "barrier()", None)
+    collectives._check_same_call(mine, {1: mine, 2: mine}, "worker")  # all alike: nothing raised
+    bcast = ("bcast", collectives._describe("bcast", "object 'cfg' from worker 0"), 0)
+    with pytest.raises(IMergeMismatchError, match=r"called barrier\(\), but workers \[1, 3\] called a broadcast of "
+                       r"object 'cfg' from worker 0; worker 2 called allreduce of tensor 'x': every worker must"):
+        collectives._check_same_call(mine, {1: bcast, 2: ("allgather", "allreduce of tensor 'x'", None), 3: bcast},
+                                     "worker")
+    other_root = ("bcast", bcast[1], 1)  # same name, another root: the roots tell them apart
+    with pytest.raises(IMergeMismatchError, match=r"rooted at worker 0\).*rooted at worker 1\)"):
+        collectives._check_same_call(bcast, {1: other_root}, "worker")
+
+
+@pytest.mark.parametrize("splits,rows,problem", [
+    (None, 5, "not divisible"), ([1, 1], 1, "at most dim 0"), ([1, -1], 2, "non-negative"),
+    ([1], 2, "2 non-negative"), (torch.ones(2), 2, "float32"), ([0.5, 1.5], 2, "integers"),
+])
+def test_bad_alltoall_splits_are_named(splits, rows, problem):
+    counts, why = horovod_api._split_rows(torch.zeros(rows, 3), splits, 2)
+    assert why is not None and problem in why, why
+
+
+def test_good_alltoall_splits():
+    assert horovod_api._split_rows(torch.zeros(4, 3), None, 2) == ([2, 2], None)
+    assert horovod_api._split_rows(torch.zeros(4, 3), torch.tensor([3, 0], dtype=torch.int32), 2) == ([3, 0], None)
+    assert horovod_api._split_rows(torch.zeros(4, 3), [1, 2], 2) == ([1, 2], None)  # fewer rows than dim 0
 
 
 def test_unsupported_horovod_features_are_refused_clearly():

@@ -2,7 +2,12 @@
 
 Every worker pushes and pulls m bytes at the same time (the m bytes cut into one key per
 server), for m on a log-spaced grid; the time of a size is the slowest worker's median.
-``python -m imerge_hooks.plan.calibrate`` runs it under mpiexec and prints the table.
+``python -m imerge_hooks.plan.calibrate`` runs it under mpiexec, measures the whole grid and
+prints the table. The calibration a job runs at start-up when nothing is cached
+(:func:`load_or_calibrate`) has a time budget (:data:`STARTUP_BUDGET_S`): on a slow link the
+largest sizes alone take tens of seconds, so it stops once the bytes dominate the startup and
+the next size would overrun the budget, and extends the table along the measured bandwidth
+(``costmodel.extend_table``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -21,60 +27,138 @@ from ..group import Group
 from ..layout import CALIBRATION_GRID, calibration_keys
 from ..schedule import SchedulePolicy
 from ..wire import KeySpec
-from .costmodel import PSModel
+from .costmodel import PSModel, extend_table
 
 log = logging.getLogger("imerge")
 
 DEFAULT_GRID = list(CALIBRATION_GRID)
+# Seconds the start-up calibration aims to spend measuring (a target: it never stops before the bytes
+# dominate, see measure_grid); with the set-up around it a job's first run pays well under 5 s.
+STARTUP_BUDGET_S = 3.0
+# Once the table is bandwidth-bound, a size whose round trip is expected to take longer gets fewer
+# repeats (at least 2): its time is steady, and on a slow link every repeat costs seconds.
+SAMPLE_TARGET_S = 0.25
+BANDWIDTH_BOUND = 8.0  # see _bandwidth_bound
+# With a budget, no size takes more than its share of what is left (a loaded machine makes every sample
+# and barrier slow), but none gets fewer than this many samples for its median.
+MIN_SHARED_REPEATS = 3
 
 
-def _repeats(nbytes: int) -> int:
-    return 12 if nbytes <= 256 * 1024 else 5 if nbytes <= 4 << 20 else 3 if nbytes <= 16 << 20 else 2
+def _repeats(nbytes: int, predicted_s: float = 0.0) -> int:
+    """Timed samples of one size: by size, and fewer when one is expected to take a while."""
+    base = 12 if nbytes <= 256 * 1024 else 5 if nbytes <= 4 << 20 else 3 if nbytes <= 16 << 20 else 2
+    return max(2, min(base, int(SAMPLE_TARGET_S / predicted_s))) if predicted_s > 0 else base
 
 
-def measure(sizes: list[int] | None = None) -> PSModel:
-    """Measure T(m) for this job's W workers and S servers; returns a fitted PSModel."""
+def _bandwidth_bound(times: Sequence[float]) -> bool:
+    """Whether the bytes dominate: the largest time is at least BANDWIDTH_BOUND times the first.
+
+    Below that the table is still bending from the startup into the line (measured on 250 Mbit/s
+    links, extending from there misjudged the largest sizes by 40-55%, from 8x on by 1-6%).
+    """
+    return len(times) >= 2 and max(times) >= BANDWIDTH_BOUND * times[0]
+
+
+# sample(index, repeats) -> (time of that size, seconds spent so far, seconds per sample beyond that time:
+# its barrier and the samples' spread), the same on every worker.
+Sampler = Callable[[int, int], tuple[float, float, float]]
+
+
+def measure_grid(sizes: Sequence[int], sample: Sampler, budget_s: float | None = None) -> list[float]:
+    """Times of the leading ``sizes`` that fit ``budget_s`` (None: all), measured by ``sample``.
+
+    Sizes go in increasing order. Before a size, its time is predicted as the largest so far
+    scaled by the size ratio (an upper bound while T(m) is a line with a startup >= 0). Once the
+    table is bandwidth-bound (:func:`_bandwidth_bound`), that prediction sets the repeats
+    (:func:`_repeats`). With a budget, a size's samples are also held to its share of the budget
+    left (at least MIN_SHARED_REPEATS of them), and once bandwidth-bound a size whose warm-up and
+    samples would end past ``budget_s`` is not measured, nor any after it: the table is never cut
+    before the bytes dominate, so ``budget_s`` is a target, not a limit. Decisions use only the
+    values ``sample`` returns, so every worker takes the same ones (``sample`` must agree them).
+    """
+    times: list[float] = []
+    spent = overhead = 0.0
+    for index, nbytes in enumerate(sizes):
+        bound = _bandwidth_bound(times)
+        predicted = max(times) * nbytes / sizes[index - 1] if times else 0.0
+        repeats = _repeats(nbytes, predicted if bound else 0.0)
+        if budget_s is not None and times:
+            per_sample = (predicted if bound else times[-1]) + overhead
+            share = (budget_s - spent) / (len(sizes) - index)
+            if per_sample > 0:
+                repeats = min(repeats, max(MIN_SHARED_REPEATS, int(share / per_sample)))
+            if bound and spent + (repeats + 1) * predicted + repeats * overhead > budget_s:
+                break
+        t, spent, overhead = sample(index, repeats)
+        times.append(t)
+    return times
+
+
+def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PSModel:
+    """Measure T(m) for this job's W workers and S servers; returns a fitted PSModel.
+
+    ``budget_s``: stop early as :func:`measure_grid` says and extend the table to the whole grid.
+    """
     topo = runtime.topology()
     comm = runtime.comm_thread()
     if comm is None:
         raise RuntimeError("IMerge: calibration needs at least one server")
     sizes = sorted(sizes or DEFAULT_GRID)
     client = runtime.new_client_id()
-    groups, keys = [], []
-    for index, nbytes in enumerate(sizes):
-        numel = max(1, nbytes // 4)
+    cuts, keys = [], []
+    for nbytes in sizes:
         cut = calibration_keys(nbytes, topo.num_servers)
-        ranges = [(s, e) for s, e, _ in cut]
         ids = runtime.allocate_keys(len(cut))
         gkeys = [KeySpec(k, (e - s) * 4, "float32", server, (f"calibration.{nbytes}",))
                  for k, (s, e, server) in zip(ids, cut)]
         keys += gkeys
-        groups.append(Group(index=index, flat=torch.ones(numel), result=torch.empty(numel), keys=gkeys,
-                            key_ranges=ranges, priority=0, names=(f"calibration.{nbytes}",)))
-    runtime.register_keys(client, keys)
+        cuts.append((cut, gkeys))
+    groups: dict[int, Group] = {}
+
+    def group(index: int) -> Group:  # allocated when first sent: a budgeted run may never send the largest
+        if index not in groups:
+            numel = max(1, sizes[index] // 4)
+            cut, gkeys = cuts[index]
+            groups[index] = Group(index=index, flat=torch.ones(numel), result=torch.empty(numel), keys=gkeys,
+                                  key_ranges=[(s, e) for s, e, _ in cut], priority=0,
+                                  names=(f"calibration.{sizes[index]}",))
+        return groups[index]
+
     policy = SchedulePolicy()
-    times = []
+    start = time.perf_counter()
+
+    def round_trip(index: int) -> None:
+        comm.submit(group(index), policy)
+        comm.wait(group(index), "during calibration ")
+
+    def sample(index: int, repeats: int) -> tuple[float, float, float]:
+        round_trip(index)  # warm-up
+        samples = []
+        first = time.perf_counter()
+        for _ in range(repeats):
+            # Spin while waiting (as MPI's Barrier does), so the workers start their samples together.
+            runtime.collective(topo.worker_comm, "barrier", None, "the calibration barrier",
+                               spin_s=polling.SPIN_S_DEDICATED)
+            begin = time.perf_counter()
+            round_trip(index)
+            samples.append(time.perf_counter() - begin)
+        now = time.perf_counter()
+        median = statistics.median(samples)
+        mine = (median, now - start, max(0.0, (now - first) / repeats - median))
+        rows = runtime.collective(topo.worker_comm, "allgather", mine,
+                                  f"the calibration times of {sizes[index]} bytes")
+        return max(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows)
+
+    runtime.register_keys(client, keys)
     try:
-        for group in groups[: max(1, len(groups) // 2)]:  # warm up connections and buffers once
-            comm.submit(group, policy)
-            comm.wait(group, "during calibration ")
-        for group, nbytes in zip(groups, sizes):
-            comm.submit(group, policy)  # warm-up
-            comm.wait(group, "during calibration ")
-            samples = []
-            for _ in range(_repeats(nbytes)):
-                # Spin while waiting (as MPI's Barrier does), so the workers start their samples together.
-                runtime.collective(topo.worker_comm, "barrier", None, "the calibration barrier",
-                                   spin_s=polling.SPIN_S_DEDICATED)
-                start = time.perf_counter()
-                comm.submit(group, policy)
-                comm.wait(group, "during calibration ")
-                samples.append(time.perf_counter() - start)
-            times.append(runtime.collective(topo.worker_comm, "max", statistics.median(samples),
-                                            f"the calibration times of {nbytes} bytes"))
+        for index in range(max(1, len(sizes) // 2)):  # warm up connections and buffers once
+            round_trip(index)
+        times = measure_grid(sizes, sample, budget_s)
     finally:
         runtime.register_keys(client, [])
-    return PSModel.fit(topo.num_workers, topo.num_servers, sizes, times, hosts=_hosts())
+        groups.clear()
+    return PSModel.fit(topo.num_workers, topo.num_servers, sizes, extend_table(sizes[:len(times)], times, sizes),
+                       hosts=_hosts(), measured=len(times))
 
 
 def _hosts() -> list[str]:
@@ -110,18 +194,22 @@ def load_or_calibrate() -> PSModel:
         raise RuntimeError(f"IMerge: no cached PS cost model at {path} and calibrate=False; run "
                            "`mpiexec ... python -m imerge_hooks.plan.calibrate` first")
     start = time.perf_counter()
-    model = measure()
+    model = measure(budget_s=STARTUP_BUDGET_S)
     if topo.worker_rank == 0:
         model.to_json(path)
-        log.info("IMerge: calibrated %s in %.1f s, cached at %s", model.describe(), time.perf_counter() - start, path)
+        log.info("IMerge: calibrated %s in %.1f s, cached at %s%s", model.describe(), time.perf_counter() - start,
+                 path, "" if model.measured == len(model.sizes) else
+                 " (`python -m imerge_hooks.plan.calibrate` measures the whole grid and replaces it)")
     return model
 
 
 def format_table(model: PSModel) -> str:
+    """One row per grid point; points the calibration extended rather than measured end in ``*``."""
     lines = [f"{'workers':>7} {'servers':>7} {'bytes':>10} {'time_us':>10} {'fit_us':>10}"]
-    for m, t in zip(model.sizes, model.times):
+    for index, (m, t) in enumerate(zip(model.sizes, model.times)):
         fit = model.a + model.workers * m / (model.servers * model.bandwidth)
-        lines.append(f"{model.workers:>7} {model.servers:>7} {int(m):>10} {t * 1e6:>10.1f} {fit * 1e6:>10.1f}")
+        mark = " *" if index >= model.measured else ""
+        lines.append(f"{model.workers:>7} {model.servers:>7} {int(m):>10} {t * 1e6:>10.1f} {fit * 1e6:>10.1f}{mark}")
     return "\n".join(lines)
 
 
@@ -129,10 +217,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Measure IMerge's PS cost model (run under mpiexec).")
     parser.add_argument("--out", help="JSON path (default: the configured cache path)")
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_GRID[-1])
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop as the start-up calibration does after about this many seconds "
+                             f"(it uses {STARTUP_BUDGET_S:g}); default: measure the whole grid")
     args = parser.parse_args()
     runtime.init()
     start = time.perf_counter()
-    model = measure([m for m in DEFAULT_GRID if m <= args.max_bytes])
+    model = measure([m for m in DEFAULT_GRID if m <= args.max_bytes], budget_s=args.budget_s)
     path = args.out or cache_path(runtime.config().cost_model_path)  # collective over workers
     if runtime.topology().worker_rank == 0:
         model.to_json(path)

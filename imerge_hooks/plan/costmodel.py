@@ -97,7 +97,9 @@ class LinearModel:
 class PSModel:
     """Measured PS cost table for ``workers`` workers and ``servers`` servers.
 
-    ``sizes`` (bytes, strictly increasing) and ``times`` (seconds) are the measured grid.
+    ``sizes`` (bytes, strictly increasing) and ``times`` (seconds) are the grid; the first
+    ``measured`` points were measured (default: all), the rest extended along the measured
+    bandwidth (:func:`extend_table`) by a calibration that ran out of its time budget.
     ``a`` (startup, s) and ``bandwidth`` (bytes/s per server) are the fit
     ``T(m) = a + W*m/(S*B)``, used only for extrapolation beyond the grid; when left as
     ``None`` they are fitted from the table.
@@ -115,6 +117,7 @@ class PSModel:
     hosts: list[str] = field(default_factory=list)
     a: float | None = None
     bandwidth: float | None = None
+    measured: int | None = None
 
     def __post_init__(self) -> None:
         self.workers, self.servers = int(self.workers), int(self.servers)
@@ -131,6 +134,10 @@ class PSModel:
             raise ValueError("IMerge: PSModel sizes and times must be finite and >= 0")
         if any(b <= a for a, b in zip(self.sizes, self.sizes[1:])):
             raise ValueError(f"IMerge: PSModel sizes must be strictly increasing, got {self.sizes}")
+        self.measured = len(self.sizes) if self.measured is None else int(self.measured)
+        if not 1 <= self.measured <= len(self.sizes):
+            raise ValueError(f"IMerge: PSModel measured must be 1..{len(self.sizes)} (grid points), "
+                             f"got {self.measured}")
         if self.a is None or self.bandwidth is None:
             a, bw = self._fit_params(self.workers, self.servers, self.sizes, self.times)
             self.a = a if self.a is None else float(self.a)
@@ -153,12 +160,13 @@ class PSModel:
 
     @classmethod
     def fit(cls, workers: int, servers: int, sizes: Sequence[float], times: Sequence[float],
-            hosts: Sequence[str] = ()) -> PSModel:
-        """Build a model from a measured table, fitting ``a`` (>= 0) and ``B`` (> 0)."""
+            hosts: Sequence[str] = (), measured: int | None = None) -> PSModel:
+        """Build a model from a table, fitting ``a`` (>= 0) and ``B`` (> 0) to all of it
+        (``measured``: how many leading points were measured, the rest extended)."""
         a, bw = cls._fit_params(int(workers), int(servers), [float(s) for s in sizes],
                                 [float(t) for t in times])
         return cls(workers=workers, servers=servers, sizes=list(sizes), times=list(times),
-                   hosts=list(hosts), a=a, bandwidth=bw)
+                   hosts=list(hosts), a=a, bandwidth=bw, measured=measured)
 
     def time_array(self, nbytes: np.ndarray) -> np.ndarray:
         """Vectorised :meth:`time`."""
@@ -182,9 +190,11 @@ class PSModel:
 
     def describe(self) -> str:
         """One line for logs: startup, per-server bandwidth, W, S and the grid."""
+        extended = (f", measured up to {self.sizes[self.measured - 1]:.0f} B, extended beyond"
+                    if self.measured < len(self.sizes) else "")
         return (f"PSModel W={self.workers} S={self.servers}: a={self.a * 1e6:.1f} us, "
                 f"B={self.bandwidth / 1e6:.1f} MB/s per server, "
-                f"grid {self.sizes[0]:.0f}..{self.sizes[-1]:.0f} B ({len(self.sizes)} points)")
+                f"grid {self.sizes[0]:.0f}..{self.sizes[-1]:.0f} B ({len(self.sizes)} points{extended})")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -195,7 +205,7 @@ class PSModel:
     def from_dict(cls, d: dict[str, Any]) -> PSModel:
         return cls(workers=d["workers"], servers=d["servers"], sizes=list(d["sizes"]),
                    times=list(d["times"]), hosts=list(d.get("hosts", [])),
-                   a=d.get("a"), bandwidth=d.get("bandwidth"))
+                   a=d.get("a"), bandwidth=d.get("bandwidth"), measured=d.get("measured"))
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename): several ranks may share one cache path."""
@@ -216,6 +226,44 @@ class PSModel:
     def from_json(cls, path: str | os.PathLike[str]) -> PSModel:
         with open(path) as f:
             return cls.from_dict(json.load(f))
+
+
+def extension_slope(sizes: Sequence[float], times: Sequence[float]) -> float:
+    """Seconds per byte to extend a measured table (sizes increasing) beyond its last point.
+
+    On the running maximum of the times (as :class:`PSModel` reads them): the larger of the
+    last two points' slope and the chord from the first point to the last, so one low last
+    sample cannot make the bytes look free (for an exact line ``c + k*m`` both are ``k``).
+    One point: proportional to size (``t/m``, an upper bound for any line with ``c >= 0``).
+    """
+    if not sizes or len(sizes) != len(times):
+        raise ValueError(f"IMerge: extension needs equal-length, non-empty sizes and times, "
+                         f"got {len(sizes)} sizes and {len(times)} times")
+    y = np.maximum.accumulate(np.asarray(times, dtype=float))
+    x = np.asarray(sizes, dtype=float)
+    if len(x) == 1:
+        return float(y[0] / x[0]) if x[0] > 0 else 0.0
+    last = (y[-1] - y[-2]) / (x[-1] - x[-2])
+    chord = (y[-1] - y[0]) / (x[-1] - x[0])
+    return float(max(last, chord, 0.0))
+
+
+def extend_table(sizes: Sequence[float], times: Sequence[float], grid: Sequence[float]) -> list[float]:
+    """Times on ``grid``: the measured ``times`` where ``sizes`` (a prefix of ``grid``) has them,
+    beyond them the last measured time plus :func:`extension_slope` per byte.
+
+    Why: a calibration stopped by its time budget has measured up to where the bytes already
+    dominate the startup, so the rest of the table lies on that line; extending it there (and
+    fitting ``a + W*m/(S*B)`` to the whole grid) gives the planner the model a full
+    calibration would, without the seconds the largest messages take on a slow link.
+    """
+    n = len(sizes)
+    if n == 0 or n > len(grid) or any(float(a) != float(b) for a, b in zip(sizes, grid)):
+        raise ValueError(f"IMerge: measured sizes must be a non-empty prefix of the grid, got {list(sizes)} "
+                         f"for grid {list(grid)}")
+    slope = extension_slope(sizes, times)
+    top, t_top = float(sizes[-1]), float(max(times))
+    return [float(t) for t in times] + [t_top + slope * (float(m) - top) for m in grid[n:]]
 
 
 def planner_model(method: str, model: CostModel) -> CostModel:

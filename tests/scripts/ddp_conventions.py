@@ -1,6 +1,6 @@
 """The DDP hook's conventions, each checked on every rank of one launch.
 
-Usage: python ddp_conventions.py world-group | bad-input
+Usage: python ddp_conventions.py world-group DIR | bad-input (launched with IMERGE_SCHEDULE=imerge)
 """
 
 import os
@@ -38,3 +38,15 @@ else:
         say(imh.rank(), "subgroup refused")
     imh.IMergeHookState(process_group=group)  # the worker group is what it expects
     say(imh.rank(), "worker group accepted")
+    # The schedule: the argument > IMERGE_SCHEDULE (launched as `imerge`: adaptive-ps here) > wfbp.
+    chosen = [imh.IMergeHookState().cfg.schedule, imh.IMergeHookState(schedule="priority").cfg.schedule]
+    os.environ["IMERGE_SCHEDULE"] = "default"
+    chosen.append(imh.IMergeHookState().cfg.schedule)
+    del os.environ["IMERGE_SCHEDULE"]
+    chosen.append(imh.IMergeHookState().cfg.schedule)
+    say(imh.rank(), "schedules", *chosen)
+    try:
+        imh.IMergeHookState(schedule="imerge")
+    except imh.IMergeConfigError as exc:
+        assert "overlaps with the next forward pass" in str(exc), exc
+        say(imh.rank(), "imerge by name refused")

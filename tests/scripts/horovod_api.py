@@ -1,11 +1,13 @@
 """Horovod's torch API on IMerge (``import imerge_hooks as hvd``): every check asserts on every worker.
 
-Usage: python horovod_api.py [--lonely]   (under mpiexec with IMERGE_NUM_SERVERS; or one process)
+Usage: python horovod_api.py [--lonely] [--uncaught-mismatch]   (under mpiexec with IMERGE_NUM_SERVERS; or one
+process)
 
 Inputs are seeded by worker rank, so each worker computes every worker's input and the expected
 result locally. Each passed check prints ``PASS <name>``, the end ``ALL OK``. ``--lonely``: at
 the end worker 0 runs an allreduce no other worker joins and must time out naming them (a fatal
-error: the job then aborts at exit, by design).
+error: the job then aborts at exit, by design). ``--uncaught-mismatch``: at the end worker 0 calls
+``barrier()`` while the others broadcast an object, uncaught (the job must exit non-zero).
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ import imerge_hooks as hvd
 from imerge_hooks import collectives, runtime
 from imerge_hooks.errors import IMergeConfigError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 
-hvd.init()
+try:
+    hvd.init()
+except SystemExit:  # what a test runner does (unittest catches SystemExit): a server must never get here
+    say(runtime.topology().world_rank, "SERVER WENT ON")
+    raise
 R, W = hvd.rank(), hvd.size()
 CHECKS = []
 
@@ -232,6 +238,42 @@ def mismatched_ops_and_names():
     hvd.barrier()
 
 
+@check
+def collectives_know_what_they_are():
+    """Two workers in different collectives both raise, naming both calls; no collective returns
+    another's value, and the workers stay in step afterwards."""
+    if W == 1:
+        return
+    with expect(IMergeMismatchError, "barrier()", "broadcast of object 'cfg' from worker 0",
+                "same collectives in the same order"):
+        hvd.barrier() if R == 0 else hvd.broadcast_object({"lr": 0.1}, root_rank=0, name="cfg")
+    with expect(IMergeMismatchError, "allreduce of tensor 'x'", "barrier()"):
+        hvd.allreduce(torch.ones(2), name="x") if R == 0 else hvd.barrier()
+    # a broadcast's non-root workers send the root nothing but what they called: the root learns too
+    with expect(IMergeMismatchError, "broadcast of object 'cfg' from worker 0", "allgather_object of 'cfg'"):
+        hvd.broadcast_object(R, root_rank=0, name="cfg") if R == 0 else hvd.allgather_object(R, name="cfg")
+    with expect(IMergeMismatchError, "from worker 0", "from worker 1"):
+        hvd.broadcast_object(R, root_rank=0 if R == 0 else 1, name="roots")
+    same(hvd.allreduce(torch.tensor(float(R)), op=hvd.Sum), torch.tensor(float(sum(range(W)))))  # in step
+
+
+@check
+def horovod_exception_names():
+    """Horovod's exception names resolve, and what a failed collective raises is a HorovodInternalError."""
+    assert hvd.HorovodInternalError is hvd.IMergeError and issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert issubclass(hvd.HostsUpdatedInterrupt, RuntimeError) and hvd.HostsUpdatedInterrupt(True).skip_sync
+    caught = None
+    try:
+        hvd.allreduce(torch.ones(3 + (R if W > 1 else 1)), name="shapes differ")
+    except hvd.HostsUpdatedInterrupt:
+        raise AssertionError("IMerge never raises HostsUpdatedInterrupt") from None
+    except hvd.HorovodInternalError as exc:
+        caught = exc
+    assert (caught is not None) == (W > 1), caught
+    with expect(ValueError, "root_rank 9"):  # argument errors are ValueErrors, as Horovod's
+        hvd.broadcast(torch.ones(1), root_rank=9)
+
+
 # ---------------------------------------------------------------------- alltoall, reducescatter
 @check
 def alltoall():
@@ -253,6 +295,17 @@ def alltoall():
     same(out, torch.cat([rows[j][2 * R:2 * R + 2] for j in range(W)]))
     with expect(IMergeUsageError, "'bad splits'", "worker 0", "splits"):
         hvd.alltoall(rows[R], splits=[1] * (W + 1) if R == 0 else None, name="bad splits")
+    # argument errors are ValueErrors on every worker, as Horovod's (test_horovod_alltoall_*_error)
+    with expect(ValueError, "'too many rows'", "worker 0", "summing to at most dim 0"):
+        hvd.alltoall(rows[R], splits=[2 * W + 1] + [0] * (W - 1) if R == 0 else None,
+                     name="too many rows")
+    with expect(ValueError, "float32", "integers"):
+        hvd.alltoall(rows[R], splits=torch.ones(W))
+    if W > 1:
+        with expect(ValueError, "not divisible"):
+            hvd.alltoall(torch.ones(W + 1))
+    out, received = hvd.alltoall(rows[R], splits=[1] * W)  # fewer rows than dim 0: the rest are not sent
+    same(out, torch.stack([rows[j][R] for j in range(W)]))
 
 
 @check
@@ -268,6 +321,84 @@ def reducescatter():
          2 * total[start:start + rows[R]])
     with expect(IMergeUsageError, "scalar", "worker 0"):
         hvd.reducescatter(torch.tensor(1.0))
+
+
+@check
+def grouped_allgather_and_reducescatter():
+    """Horovod's grouped_allgather / grouped_reducescatter: each tensor as its single op, agreed as one."""
+    parts = [[inp(20, r, (r + 1, 2)), inp(21, r, (1, 3), torch.float32)] for r in range(W)]
+    got = hvd.grouped_allgather(parts[R], name="gag")
+    for i in range(2):
+        same(got[i], torch.cat([parts[r][i] for r in range(W)]))
+    got = hvd.synchronize(hvd.grouped_allgather_async(parts[R]))
+    same(got[1], torch.cat([parts[r][1] for r in range(W)]))
+    n = 2 * W + 1
+    xs = [[inp(22, r, (n, 2), integers=True), inp(23, r, (W,), torch.int64, integers=True)] for r in range(W)]
+    def mine(total: torch.Tensor) -> torch.Tensor:  # this worker's rows, split as Horovod does
+        rows = [len(total) // W + (1 if r < len(total) % W else 0) for r in range(W)]
+        return total[sum(rows[:R]):sum(rows[:R + 1])]
+
+    totals = [sum(x[i] for x in xs) for i in range(2)]
+    got = hvd.grouped_reducescatter(xs[R], op=hvd.Sum, name="grs")
+    same(got[0], mine(totals[0]))
+    same(got[1], mine(totals[1]))
+    got = hvd.grouped_reducescatter(xs[R])  # default: Average (integers truncated)
+    close(got[0], mine(totals[0]) / W)
+    same(got[1], mine(torch.div(totals[1], W, rounding_mode="trunc")))
+    got = hvd.synchronize(hvd.grouped_reducescatter_async(xs[R], op=hvd.Sum, prescale_factor=2.0))
+    same(got[0], mine(2 * totals[0]))
+    if W > 1:
+        with expect(IMergeMismatchError, "grouped_reducescatter", "shapes", f"worker {W - 1}"):
+            hvd.grouped_reducescatter([torch.ones(2 * W + (R == W - 1))], name="bad group")
+
+
+@check
+def sparse_allreduce():
+    """Horovod's sparse_allreduce_async: indices and values allgathered; the callable handle's result
+    equals the dense allreduce (test_async_sparse_allreduce)."""
+    dense = [inp(30, r, (6, 3)) * (inp(31, r, (6, 1)) > 0.3) for r in range(W)]  # rows of zeros differ by worker
+    for op, want in ((hvd.Average, sum(dense) / W), (hvd.Sum, sum(dense))):
+        handle = hvd.sparse_allreduce_async(dense[R].to_sparse(), name=f"sparse {op.name}", op=op)
+        got = handle()
+        assert got.is_sparse
+        close(got.to_dense(), want)
+    with expect(ValueError, "sparse COO"):
+        hvd.sparse_allreduce_async(dense[R], name="dense", op=hvd.Sum)
+
+
+@check
+def gradients_as_horovods():
+    """reducescatter, alltoall, grouped allreduce and grouped allgather are differentiable, with
+    Horovod's gradients (test_horovod_*_grad)."""
+    for op, factor in ((hvd.Sum, W), (hvd.Average, 1)):
+        x = inp(24, R, (2 * W, 3)).requires_grad_()
+        out = hvd.reducescatter(x, op=op, prescale_factor=0.5)
+        weights = [inp(25, r, (2, 3)) for r in range(W)]  # each worker's output gradient
+        (out * weights[R]).sum().backward()
+        same(x.grad, torch.cat(weights) * factor * 0.5)
+    splits = [[(r + j) % 2 + 1 for j in range(W)] for r in range(W)]
+    x = inp(26, R, (sum(splits[R]) + 1, 2)).requires_grad_()  # one row past the splits: not sent, zero gradient
+    out, received = hvd.alltoall(x, splits=splits[R])
+    (out * torch.arange(1.0, out.numel() + 1, dtype=out.dtype).reshape(out.shape)).sum().backward()
+    assert x.grad[-1].abs().sum() == 0 and x.grad.shape == x.shape
+    for j in range(W):  # the rows sent to worker j come back with the weights j gave them
+        start = sum(splits[R][:j])
+        offset = sum(splits[k][j] for k in range(R))  # where worker j received them
+        weights = torch.arange(1.0, 2 * sum(splits[k][j] for k in range(W)) + 1, dtype=x.dtype).reshape(-1, 2)
+        same(x.grad[start:start + splits[R][j]], weights[offset:offset + splits[R][j]])
+    a, b = inp(27, R, (3,)).requires_grad_(), inp(28, R, (2, 2)).requires_grad_()
+    ra, rb = hvd.grouped_allreduce([a, b], op=hvd.Sum)
+    (ra * 2).sum().backward(retain_graph=True)
+    rb.sum().backward()
+    same(a.grad, torch.full((3,), 2.0 * W, dtype=torch.float64))
+    same(b.grad, torch.full((2, 2), float(W), dtype=torch.float64))
+    parts = [inp(29, r, (r + 1, 2)) for r in range(W)]
+    x = parts[R].clone().requires_grad_()
+    g, = hvd.grouped_allgather([x])
+    weights = torch.arange(float(g.numel()), dtype=torch.float64).reshape(g.shape)
+    (g * weights).sum().backward()
+    offset = sum(r + 1 for r in range(R))
+    same(x.grad, weights[offset:offset + R + 1])
 
 
 # ---------------------------------------------------------------------- parameters, state, objects
@@ -622,6 +753,17 @@ def lonely() -> None:
             say(R, "TIMEOUT", exc)
 
 
+def uncaught_mismatch() -> None:
+    """Worker 0 calls barrier() while the others broadcast an object: every worker raises, and the
+    uncaught error ends the job non-zero (the excepthook aborts it)."""
+    try:
+        hvd.barrier() if R == 0 else hvd.broadcast_object("cfg", root_rank=0, name="last")
+    except IMergeMismatchError as exc:
+        say(R, "MISMATCH", exc)
+        raise
+    say(R, "NO MISMATCH")
+
+
 @check
 def single_process_job():
     """One process, no servers: every op returns the local value (averaging over one worker)."""
@@ -648,6 +790,8 @@ def main() -> None:
     say(R, "ALL OK", W, runtime.topology().num_servers)
     if "--lonely" in sys.argv:
         lonely()
+    if "--uncaught-mismatch" in sys.argv:
+        uncaught_mismatch()
 
 
 main()
