@@ -181,10 +181,17 @@ def serve_stage() -> str:
     return why
 
 
-def end_stage() -> None:
-    """Tell every server this worker finished a stage (Lightning entry points)."""
+def end_stage(result: bytes | None = None) -> None:
+    """Tell every server this worker finished a stage (Lightning entry points); ``result`` (pickled
+    by the caller, e.g. worker 0's return value of the entry point) goes with it: ``stage_result()``."""
     flush_all("the end of a stage")
-    _control_all({"op": "stage_end"})
+    _control_all({"op": "stage_end"} if result is None else {"op": "stage_end", "result": result})
+
+
+def stage_result() -> bytes | None:
+    """On a server, after ``serve_stage()`` returned "stage": the ``result`` worker 0 ended it with."""
+    server = getattr(_state, "server", None)
+    return None if server is None else server.stage_results.pop(server.stages_served - 1, None)
 
 
 def _setup_logging() -> None:

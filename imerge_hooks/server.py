@@ -99,6 +99,7 @@ class Server:
         self._shut: set[int] = set()  # workers that shut down
         self._stage_ends = [0] * self.workers  # stage_end messages per worker (Lightning entry points)
         self._stages = 0  # stages served so far
+        self.stage_results: dict[int, bytes] = {}  # stage index -> the result worker 0 ended it with
         self.joined: set[int] = set()  # workers out of data (imerge_hooks.join())
         self.last_joined = -1
         # Result sends in flight, owned by their key's state; this also keeps the buffers of keys
@@ -178,6 +179,8 @@ class Server:
                     self._check_shutdown(source)
                 else:
                     self._stage_ends[source] += 1
+                    if "result" in request:
+                        self.stage_results[self._stage_ends[source] - 1] = request["result"]
                 if len(self._shut) == self.workers:
                     self._finish("shutdown")
                     self._warn_if_unused()
@@ -188,6 +191,10 @@ class Server:
                     return "stage"
             else:
                 log.error("IMerge server %d: unknown control op %r from rank %d", self.index, op, source)
+
+    @property
+    def stages_served(self) -> int:
+        return self._stages
 
     def _stage_complete(self) -> bool:
         """Every worker ended the current stage or shut down.

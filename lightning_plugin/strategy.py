@@ -5,9 +5,11 @@ Launch one MPI rank per device; the last ``IMERGE_NUM_SERVERS`` ranks are server
     mpiexec -n 4 -env IMERGE_NUM_SERVERS 1 python train.py     # 3 workers + 1 server
 
 Every rank runs the same script. On server ranks each Trainer entry point (fit, validate,
-test, predict) serves that stage and returns ``None``; guard rank-specific code with
-``trainer.is_global_zero`` (False on servers) or ``trainer.strategy.is_server``
-(``imerge_hooks.is_server()`` once an entry point has started IMerge).
+test, predict) serves that stage and returns what it returned on worker 0 (``launcher.py``);
+an uncaught exception in a server's script is reported and the server serves on and exits 0
+(``serving.py``). Guard rank-specific code with ``trainer.is_global_zero`` (False on servers)
+or ``trainer.strategy.is_server`` (``imerge_hooks.is_server()`` once an entry point has
+started IMerge).
 
 The optimizers returned by ``configure_optimizers`` are wrapped in place with
 ``imerge_hooks.DistributedOptimizer`` (same engine, same schedules). Gradients are complete
@@ -188,7 +190,12 @@ class IMergeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ training
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward(syncs_gradients=not self._blocking_sync)
+        # In manual optimization Lightning's DDP turns DDP's gradient sync off after each training_step
+        # forward (it reduces in manual_backward), and with it DDP's buffer broadcast before the next
+        # forward: buffers go out before the first training step of a fit only, so here too.
+        module = self.lightning_module
+        manual = module is not None and not module.automatic_optimization
+        self._before_forward(syncs_gradients=not self._blocking_sync and not manual)
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,7 @@
 """Several Lightning runs in one launch, under ``strategy=imerge`` or Lightning's own DDP (the reference).
 
 Usage: python lightning_checks.py OUT --strategy imerge|imerge-name|ddp [--runs plain,full,...] [--lightning]
+       [--server-raises]
 
 Runs (each a fresh model and Trainer, in this order):
   plain   fit, 2 epochs, float64 SmallCNN, SGD with momentum; val loss/acc logged with sync_dist
@@ -10,8 +11,17 @@ Runs (each a fresh model and Trainer, in this order):
   bf16    float32 model, precision="bf16-mixed" on CPU; fit twice (second Trainer, same model)
   bn      BatchNorm model, 2 epochs with validation: every worker's buffers as under DDP (broadcast_buffers)
   macc    manual optimization, two manual_backward per step (accumulation), schedule "default", 2 epochs
+  gan     Lightning's GAN example in small: manual optimization, toggle_optimizer, two Adams, BatchNorm in the
+          generator, default schedule (imerge)
+  tune    BaseFinetuning: features frozen, unfrozen at epochs 1 and 2 by unfreeze_and_add_param_group, Adam
+          with a MultiStepLR, default schedule. Under --strategy ddp it runs on world rank 0 alone as the
+          reference, one process whose batches of 12 are both workers' 6 (BothWorkers): DDP itself never
+          averages parameters that were frozen when it wrapped the model
+  script  what Lightning's example scripts do after fit, on every rank (servers too): print(predictions[0]),
+          validate/test results and trainer.callback_metrics used by the next line
 Worker 0 writes OUT/<run>.pt (final state_dict) and OUT/<run>.json (metrics). Every rank says what
-it did; server ranks report what each entry point returned there.
+it did; server ranks report what each entry point returned there. --server-raises: the script
+raises on the server after everything (the job must still exit 0, the error reported).
 """
 
 import argparse
@@ -25,15 +35,15 @@ import torch
 from common import SmallCNN, say
 from mpi4py import MPI
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 if "--lightning" in sys.argv:  # the unified package: lightning.pytorch (imported before lightning_plugin)
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
     from lightning.pytorch.plugins import TorchCheckpointIO
 else:
     import pytorch_lightning as pl
-    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.callbacks import BaseFinetuning, ModelCheckpoint
     from pytorch_lightning.plugins import TorchCheckpointIO
 
 import lightning_plugin  # noqa: E402
@@ -44,8 +54,9 @@ WORLD_RANK = MPI.COMM_WORLD.Get_rank()
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--strategy", default="imerge", choices=["imerge", "imerge-name", "ddp"])
-parser.add_argument("--runs", default="plain,full,manual,bf16,bn,macc")
+parser.add_argument("--runs", default="plain,full,manual,bf16,bn,macc,gan,tune,script")
 parser.add_argument("--lightning", action="store_true", help="build on lightning.pytorch")
+parser.add_argument("--server-raises", action="store_true", help="raise on the server at the very end")
 args = parser.parse_args()
 OUT = Path(args.out)
 CLIP = 0.05
@@ -156,15 +167,113 @@ class ManualAccumulation(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class SmallGAN(pl.LightningModule):
+    """generative_adversarial_net.py's training_step, on a small generator and discriminator."""
+
+    def __init__(self, latent_dim: int = 8) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        torch.manual_seed(55)
+        self.latent_dim = latent_dim
+        self.generator = nn.Sequential(nn.Linear(latent_dim, 16), nn.BatchNorm1d(16, 0.8), nn.LeakyReLU(0.2),
+                                       nn.Linear(16, 64), nn.Tanh()).double()
+        self.discriminator = nn.Sequential(nn.Linear(64, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)).double()
+
+    def forward(self, z):
+        return self.generator(z)
+
+    def training_step(self, batch):
+        imgs = batch[0].flatten(1)
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(imgs.shape[0], self.latent_dim, generator=self.noise).type_as(imgs)
+        valid, fake = torch.ones(imgs.size(0), 1).type_as(imgs), torch.zeros(imgs.size(0), 1).type_as(imgs)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        self.toggle_optimizer(opt_g)
+        g_loss = bce(self.discriminator(self(z)), valid)
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = (bce(self.discriminator(imgs), valid) + bce(self.discriminator(self(z).detach()), fake)) / 2
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        self.untoggle_optimizer(opt_d)
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
+
+    def on_train_start(self) -> None:
+        self.noise = torch.Generator().manual_seed(100 + self.global_rank)  # each worker its own noise, as DDP
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.generator.parameters(), lr=0.01, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=0.01, betas=(0.5, 0.999)))
+
+
+class FeatureNet(pl.LightningModule):
+    """A feature extractor and a head; computer_vision_fine_tuning.py's optimizer (trainable parameters only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(66)
+        self.features = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU()).double()
+        self.head = nn.Linear(16, 10).double()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.features(x)), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=0.01)
+        return [optimizer], [torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[1, 2], gamma=0.5)]
+
+
+class Unfreeze(BaseFinetuning):
+    """MilestonesFinetuning in small: the last feature layer at epoch 1, the rest at epoch 2."""
+
+    def freeze_before_training(self, pl_module):
+        self.freeze(modules=pl_module.features)
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(modules=pl_module.features[-2:], optimizer=optimizer)
+        elif epoch == 2:
+            self.unfreeze_and_add_param_group(modules=pl_module.features[:-2], optimizer=optimizer, lr=0.005)
+
+
+class BothWorkers(Sampler):
+    """One process's batches of 2 x ``per``: worker 0's and worker 1's batches of one step, as the
+    DistributedSampler Lightning gives each worker makes them (shuffled with the global seed)."""
+
+    def __init__(self, n: int, per: int) -> None:
+        self.n, self.per, self.epoch = n, per, 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls it every epoch, as on a DistributedSampler
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        shards = []
+        for rank in (0, 1):
+            sampler = DistributedSampler(range(self.n), num_replicas=2, rank=rank, shuffle=True,
+                                         seed=int(os.environ.get("PL_GLOBAL_SEED", 0)))
+            sampler.set_epoch(self.epoch)
+            shards.append(list(sampler))
+        for k in range(0, len(shards[0]), self.per):
+            yield from shards[0][k:k + self.per] + shards[1][k:k + self.per]
+
+
 class RecordingIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         say(WORLD_RANK, "ckpt-write", os.path.basename(path))
         super().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
 
-def make_strategy(find_unused: bool = False):
+def make_strategy(find_unused: bool = False, schedule: str = "wfbp"):
     if args.strategy == "imerge":
-        return lightning_plugin.IMergeStrategy(schedule="wfbp", stall_warning_s=30.0)
+        return lightning_plugin.IMergeStrategy(schedule=schedule, stall_warning_s=30.0)
     if args.strategy == "imerge-name":
         return "imerge"  # schedule etc. from IMERGE_* env vars
     from pytorch_lightning.plugins.environments import MPIEnvironment
@@ -211,7 +320,7 @@ def on_server() -> bool:
 
 def server_report(name: str, value) -> None:
     if on_server():
-        say(WORLD_RANK, "server-returned", name, repr(value))
+        say(WORLD_RANK, "server-returned", name, value if isinstance(value, str) else repr(value))
 
 
 pl.seed_everything(7, verbose=False)
@@ -235,11 +344,11 @@ if "full" in runs:
     fit_metrics = {k: float(v) for k, v in t.callback_metrics.items()}
     last = sorted(ckpt_dir.glob("*.ckpt"))[-1] if ckpt_dir.exists() else None
     validated = t.validate(model, loader(val, False), ckpt_path=str(last) if last else None, verbose=False)
-    server_report("validate", validated)
+    server_report("validate", json.dumps(validated[0]))
     tested = t.test(model, loader(val, False), verbose=False)
-    server_report("test", tested)
+    server_report("test", json.dumps(tested[0]))
     predicted = t.predict(model, loader(val, False))
-    server_report("predict", predicted)
+    server_report("predict", sum(len(p) for p in predicted))
     if not on_server():
         reloaded = Net.load_from_checkpoint(str(last))
         diff = max((a - b).abs().max().item() for a, b in zip(reloaded.state_dict().values(),
@@ -284,5 +393,46 @@ if "macc" in runs:
     if not on_server():
         finish("macc", t, model)
 
+if "gan" in runs:
+    t = trainer(max_epochs=2, strategy=make_strategy(find_unused=True, schedule="imerge"))
+    model = SmallGAN()
+    t.fit(model, loader(train, True))
+    if not on_server():
+        finish("gan", t, model)
+        say(WORLD_RANK, "gan-buffers", f"{sum(b.double().sum().item() for b in model.buffers()):.12f}")
+
+if "tune" in runs and (args.strategy != "ddp" or WORLD_RANK == 0):
+    single = args.strategy == "ddp"  # the reference: one process sees both workers' batches of 6 at once
+    strategy = pl.strategies.SingleDeviceStrategy(torch.device("cpu")) if single else \
+        make_strategy(find_unused=True, schedule="imerge")
+    t = trainer(max_epochs=3, callbacks=[Unfreeze()], strategy=strategy, devices=1)
+    model = FeatureNet()
+    t.fit(model, DataLoader(train, batch_size=12, sampler=BothWorkers(len(train), 6)) if single else
+          DataLoader(train, batch_size=6, shuffle=True))
+    if not on_server():
+        groups = [len(g["params"]) for g in t.optimizers[0].param_groups]
+        finish("tune", t, model, {"groups": groups})
+        say(WORLD_RANK, "tune-groups", *groups)
+
+if "script" in runs:
+    # The lines after fit in Lightning's example scripts, on every rank: a server must get values
+    # its next line can use (worker 0's), as a worker does.
+    t = trainer(max_epochs=1)
+    model = Net()
+    t.fit(model, loader(train, True), loader(val, False))
+    fit_loss = float(t.callback_metrics["val_loss"])
+    validated = t.validate(model, loader(val, False), verbose=False)
+    val_loss = validated[0]["val_loss"]
+    tested = t.test(model, loader(val, False), verbose=False)
+    test_acc = tested[0]["test_acc"]
+    test_loss = float(t.callback_metrics["test_loss"])
+    predictions = t.predict(model, loader(val, False))
+    print(predictions[0])
+    say(WORLD_RANK, "script", "server" if on_server() else "worker", f"{fit_loss:.12f}", f"{val_loss:.12f}",
+        f"{test_acc:.12f}", f"{test_loss:.12f}", len(predictions),
+        predictions[0].tolist())
+
 say(WORLD_RANK, "done", args.strategy, "server" if on_server() else "worker")
 sys.stdout.flush()
+if args.server_raises and on_server():
+    raise RuntimeError("the script's last line fails on the server only")
