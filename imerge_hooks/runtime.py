@@ -551,7 +551,7 @@ def master_address_port() -> tuple[str, int]:
 
 def _agree_master_address_port(topo: Topology) -> tuple[str, int]:
     """Worker 0's choice of the rendezvous, on every worker (collective over the workers)."""
-    hosts = collective(topo.worker_comm, "allgather", socket.gethostname(), "the workers' host names")
+    hosts = topo.worker_hosts
     if topo.worker_rank == 0:
         if os.environ.get("MASTER_ADDR"):
             address = os.environ["MASTER_ADDR"]

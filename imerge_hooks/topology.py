@@ -1,9 +1,10 @@
-"""MPI world -> workers + servers, the communicators each role uses, and key placement."""
+"""MPI world -> workers + servers, the hosts they run on, and the communicators each role uses."""
 
 from __future__ import annotations
 
+import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._mpi import MPI
 from .collectives import collective
@@ -16,7 +17,11 @@ class Topology:
 
     ``data_comm`` is a private duplicate of COMM_WORLD for pushes, results and control
     messages, so user MPI traffic on COMM_WORLD can never match IMerge's messages.
-    ``worker_comm`` spans the workers only (MPI_COMM_NULL on servers).
+    ``worker_comm`` spans the workers only (MPI_COMM_NULL on servers). ``hosts`` names every
+    world rank's host (``host_name``): ranks on one host share its network link. ``local_rank``
+    and ``local_size`` count the *workers* on this rank's host (servers take no local rank).
+    ``ranks_on_node`` counts the ranks sharing this machine's cores, which is not the same thing
+    where several emulated hosts (network namespaces, containers) share one machine.
     """
 
     world_rank: int
@@ -26,7 +31,31 @@ class Topology:
     worker_comm: MPI.Comm
     local_rank: int
     local_size: int
-    ranks_on_node: int = 1  # workers and servers sharing this host (decides how to poll)
+    ranks_on_node: int = 1  # workers and servers sharing this machine's cores (decides how to poll)
+    hosts: tuple[str, ...] = field(default=())  # host of every world rank
+
+    @property
+    def host(self) -> str:
+        """This rank's host."""
+        return self.hosts[self.world_rank] if self.hosts else host_name()
+
+    @property
+    def worker_hosts(self) -> list[str]:
+        """The workers' hosts, sorted, without repeats (a job's hosts, as the cost-model cache keys them)."""
+        return sorted(set(self.hosts[:self.num_workers]))
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this rank's host among the workers' hosts (Lightning's node rank); 0 on a server's own host."""
+        hosts = self.worker_hosts
+        return hosts.index(self.host) if self.host in hosts else 0
+
+    def describe_host(self, world_rank: int) -> str:
+        """``worker 3 on host gpu2`` / ``server 1 (world rank 5) on host cpu1``: for messages."""
+        host = self.hosts[world_rank] if self.hosts else "?"
+        if world_rank >= self.num_workers:
+            return f"server {world_rank - self.num_workers} (world rank {world_rank}) on host {host}"
+        return f"worker {world_rank} on host {host}"
 
     @property
     def num_workers(self) -> int:
@@ -76,8 +105,10 @@ def build_topology(num_servers: int, timeout_s: float = 600.0) -> Topology:
             f"(e.g. `mpiexec -n {workers + 1} -env IMERGE_NUM_SERVERS 1 python train.py` with MPICH, "
             f"`mpirun -np {workers + 1} -x IMERGE_NUM_SERVERS=1 ...` with Open MPI) or pass "
             "num_servers to imerge_hooks.init().")
-    machines = collective(world, "allgather", machine_identity(), "the ranks' machines", timeout_s=timeout_s,
-                          ranks="world rank")
+    ranks = collective(world, "allgather", (machine_identity(), host_name()), "the ranks' machines and hosts",
+                       timeout_s=timeout_s, ranks="world rank")
+    machines = [machine for machine, _ in ranks]
+    hosts = tuple(host for _, host in ranks)
     data_comm = world.Dup()
     data_comm.Set_name("imerge-data")
     is_server = rank >= workers
@@ -85,15 +116,25 @@ def build_topology(num_servers: int, timeout_s: float = 600.0) -> Topology:
     if is_server:
         local_rank, local_size = 0, 1
     else:
-        node = worker_comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
-        local_rank, local_size = node.Get_rank(), node.Get_size()
-        node.Free()
+        mates = [r for r in range(workers) if hosts[r] == hosts[rank]]
+        local_rank, local_size = mates.index(rank), len(mates)
     everyone_here = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
     # MPI's view of "this node" misses ranks that it was told to treat as remote (separate network
     # namespaces, MPIR_CVAR_NOLOCAL, containers); they still share this machine's cores.
     ranks_on_node = max(everyone_here.Get_size(), machines.count(machines[rank]))
     everyone_here.Free()
-    return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size, ranks_on_node)
+    return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size, ranks_on_node, hosts)
+
+
+def host_name() -> str:
+    """The name of this rank's host: ``IMERGE_HOST`` where set, else the machine's host name.
+
+    The one place a rank's host comes from (local ranks, Lightning's node rank, the cost-model cache,
+    the rendezvous address, messages). ``IMERGE_HOST`` is for ranks that share one kernel but stand
+    for different hosts: network namespaces or containers on one machine (the emulated cluster, tests).
+    """
+    override = os.environ.get("IMERGE_HOST", "").strip()
+    return override or socket.gethostname()
 
 
 def machine_identity() -> str:
@@ -103,13 +144,3 @@ def machine_identity() -> str:
             return f.read().strip()
     except OSError:
         return socket.gethostname()
-
-
-def server_for_key(key: int, num_servers: int) -> int:
-    """Round-robin placement of keys over servers."""
-    return key % num_servers
-
-
-def worker_hostnames(topology: Topology) -> list[str]:
-    """Every worker's host name, by worker rank (collective over workers, with a deadline)."""
-    return collective(topology.worker_comm, "allgather", socket.gethostname(), "the workers' host names")

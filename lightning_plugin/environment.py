@@ -15,7 +15,6 @@ did; the node rank is a collective over the workers on first use (the strategy a
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable
 
 from imerge_hooks import runtime
@@ -99,8 +98,5 @@ def world_rank() -> int:
 
 
 def _node_rank(topo: Topology) -> int:
-    """Index of this worker's host among the workers' hosts (collective over the workers); 0 on servers."""
-    if topo.is_server:
-        return 0
-    hosts = runtime.collective(topo.worker_comm, "allgather", socket.gethostname(), "the workers' host names")
-    return sorted(set(hosts)).index(hosts[topo.worker_rank])
+    """Index of this worker's host among the workers' hosts (``topology.host_name``); 0 on servers."""
+    return 0 if topo.is_server else topo.node_rank

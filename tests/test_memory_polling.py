@@ -82,6 +82,23 @@ def test_ranks_that_mpi_treats_as_remote_still_count_as_sharing_the_machine():
     assert seen == [(str(r), str(ranks), expected) for r in range(ranks)], run.stdout
 
 
+def test_ranks_are_grouped_by_their_host_override_while_polling_counts_the_machine():
+    """Two emulated hosts of two workers each plus a server host, on one machine: local ranks count the
+    workers of each host (``IMERGE_HOST``), polling still counts every rank on these cores."""
+    from mpirun import run_mpi
+
+    hosts = ["gpu0", "gpu0", "gpu1", "gpu1", "cpu0"]
+    run = run_mpi(Path(__file__).parent / "scripts" / "ranks_on_node.py", len(hosts), timeout=60,
+                  env={"MPIR_CVAR_NOLOCAL": "1", "IMERGE_TEST_HOSTS": ",".join(hosts)}).check()
+    expected_mode = "yield" if len(hosts) > polling.usable_cores() else "spin"
+    local = {0: (0, 2, 0), 1: (1, 2, 0), 2: (0, 2, 1), 3: (1, 2, 1), 4: (0, 1, 0)}
+    for r, host in enumerate(hosts):
+        assert run.lines(r, "RANKS") == [f"{len(hosts)} {expected_mode}"], run.stdout
+        name, lr, ls, node, worker_hosts, *described = run.lines(r, "HOST")[0].split()
+        assert (name, (int(lr), int(ls), int(node)), worker_hosts) == (host, local[r], "gpu0,gpu1"), run.stdout
+        assert " ".join(described).endswith(f"on host {host}")
+
+
 def test_backoff_sleeps_grow_with_the_wait_but_stay_bounded():
     naps: list[float] = []
     short = polling.Backoff(spin_s=0.0, sleep=naps.append)

@@ -162,10 +162,8 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
 
 
 def _hosts() -> list[str]:
-    """The workers' host names, sorted and without repeats (collective over workers)."""
-    names = runtime.collective(runtime.topology().worker_comm, "allgather", os.uname().nodename,
-                               "the workers' host names")
-    return sorted(set(names))
+    """The workers' hosts, sorted and without repeats (``topology.host_name``)."""
+    return runtime.topology().worker_hosts
 
 
 def cache_path(template: str) -> str:
