@@ -74,6 +74,12 @@ class _DistributedMixin:
                 p.grad = grad
         return loss
 
+    @property
+    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
+        """Horovod's attribute: each averaged parameter's name."""
+        engine = self._imerge_engine
+        return dict(zip(engine.params, engine.names))
+
     def gradients_pending(self) -> bool:
         """Whether a backward since the last ``synchronize()`` or ``step()`` left gradients that are
         not averaged yet."""
@@ -102,7 +108,6 @@ class _DistributedMixin:
             hook.remove()
         old.close()
         self._imerge_engine, self._imerge_sparse_hooks = _build_engine(named, old.cfg, *self._imerge_build)
-        self._parameter_names = {p: name for name, p in named}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients in place: they stay views into IMerge's flat buffers (no allocation per step).
@@ -131,7 +136,7 @@ class _DistributedMixin:
         for hook in self._imerge_sparse_hooks:
             hook.remove()
         del self._imerge_engine, self._imerge_skip_sync, self._imerge_synchronized, self._imerge_build
-        del self._imerge_sparse, self._imerge_sparse_hooks, self._parameter_names
+        del self._imerge_sparse, self._imerge_sparse_hooks
         self.__class__ = type(self).__mro__[2]  # the wrapped class again
 
     def __enter__(self) -> _DistributedMixin:
@@ -265,7 +270,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     optimizer._imerge_synchronized = False
     optimizer._imerge_sparse = layouts
     optimizer._imerge_sparse_hooks = hooks
-    optimizer._parameter_names = {p: name for name, p in named}  # Horovod's attribute (param -> name)
     _repatch_scheduler_step(optimizer)
     return optimizer
 

@@ -50,13 +50,6 @@ class Topology:
         hosts = self.worker_hosts
         return hosts.index(self.host) if self.host in hosts else 0
 
-    def describe_host(self, world_rank: int) -> str:
-        """``worker 3 on host gpu2`` / ``server 1 (world rank 5) on host cpu1``: for messages."""
-        host = self.hosts[world_rank] if self.hosts else "?"
-        if world_rank >= self.num_workers:
-            return f"server {world_rank - self.num_workers} (world rank {world_rank}) on host {host}"
-        return f"worker {world_rank} on host {host}"
-
     @property
     def num_workers(self) -> int:
         return self.world_size - self.num_servers

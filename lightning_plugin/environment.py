@@ -35,7 +35,6 @@ class IMergeEnvironment(ClusterEnvironment):
 
     def __init__(self, start: Callable[[], None] = start_imerge) -> None:
         self._start = start
-        self._node_rank: int | None = None
         self._main: tuple[str, int] | None = None
 
     @property
@@ -78,9 +77,9 @@ class IMergeEnvironment(ClusterEnvironment):
         return 0 if topo.is_server else topo.local_rank
 
     def node_rank(self) -> int:
-        if self._node_rank is None:
-            self._node_rank = _node_rank(self.topology())
-        return self._node_rank
+        """Index of this worker's host among the workers' hosts (``topology.host_name``); 0 on servers."""
+        topo = self.topology()
+        return 0 if topo.is_server else topo.node_rank
 
     def topology(self) -> Topology:
         """IMerge's roles, starting IMerge first if it is not running yet (collective over COMM_WORLD)."""
@@ -95,8 +94,3 @@ def world_rank() -> int:
         return runtime.topology().world_rank
     ensure_initialized()
     return MPI.COMM_WORLD.Get_rank()
-
-
-def _node_rank(topo: Topology) -> int:
-    """Index of this worker's host among the workers' hosts (``topology.host_name``); 0 on servers."""
-    return 0 if topo.is_server else topo.node_rank

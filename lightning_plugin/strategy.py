@@ -131,13 +131,12 @@ class IMergeStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ set-up (workers only)
     def setup_environment(self) -> None:
-        """The device, the seed, torch.distributed over the workers and the node ranks (collectives)."""
+        """The device, the seed and torch.distributed over the workers (collectives)."""
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
         if self.world_size > 1:
             imerge_hooks.worker_group()  # torch.distributed over the workers: reduce, barrier, broadcast
-        self._environment.node_rank()  # collective on first use: here, where every worker is
 
     def setup(self, trainer: Any) -> None:
         self._trainer = trainer

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +34,25 @@ class MPIRun:
     def lines(self, rank: int, prefix: str) -> list[str]:
         return [line[len(prefix):].strip() for line in self.ranks.get(rank, "").splitlines()
                 if line.startswith(prefix)]
+
+
+def process_alive(pid: int) -> bool:
+    """Running (a zombie that no init reaps counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def left_over(pids, grace_s: float = 3.0) -> list[int]:
+    """The processes among ``pids`` still alive after ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [pid for pid in pids if process_alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 @functools.cache

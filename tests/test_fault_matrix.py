@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mpirun import run_mpi
+from mpirun import left_over, run_mpi
 
 from imerge_hooks.aggregate import KeyAggregate
 from imerge_hooks.server import CLOCK_JUMP_S, Server, _KeyState, _Receive
@@ -54,25 +54,7 @@ def test_a_failing_rank_ends_the_job_soon_and_is_named(case):
     assert re.search(message.format(any_pid=any_pid), output), f"{case}: no message naming the rank\n{output[-4000:]}"
     seconds = gone_at - float(failed_at[0].split()[-1])
     assert seconds < limit_s, f"{case}: the job took {seconds:.1f} s to end after the failure"
-    assert not _left_over(pids.values()), f"{case}: ranks still running: {_left_over(pids.values())}"
-
-
-def _left_over(pids, grace_s: float = 3.0) -> list[int]:
-    """The processes among ``pids`` still alive after ``grace_s`` (zombies count as gone)."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        alive = [pid for pid in pids if _alive(pid)]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+    assert not left_over(pids.values()), f"{case}: ranks still running: {left_over(pids.values())}"
 
 
 def test_collectives_with_a_deadline_name_the_missing_worker_and_end_the_job():

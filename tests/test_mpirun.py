@@ -8,11 +8,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from mpirun import run_mpi
+from mpirun import left_over, run_mpi
 
 SLEEPER = Path(__file__).parent / "scripts" / "sleep_rank.py"
 RANKS = 2
@@ -28,20 +27,8 @@ def job_pids(folder: Path) -> list[int]:
     return pids
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie that no init reaps counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def assert_all_gone(pids: list[int]) -> None:
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [p for p in pids if alive(p)]
+    left = left_over(pids, grace_s=10)
     for pid in left:  # do not leave them to the next test either
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes {left} of the interrupted mpiexec job are still running"
@@ -74,7 +61,7 @@ def test_pytest_timeout_kills_the_whole_job(tmp_path):
     inner = tmp_path / "test_inner.py"
     inner.write_text(textwrap.dedent(f"""
         import pytest
-        from mpirun import run_mpi
+        from mpirun import left_over, run_mpi
 
         @pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.timeout(2, method=m))
                                             for m in ("signal", "thread")])

@@ -19,5 +19,4 @@ if os.environ.get("IMERGE_TEST_HOSTS"):
 topo = build_topology(1)
 mode = polling.configure("auto", topo.ranks_on_node)
 say(rank, "RANKS", topo.ranks_on_node, mode)
-say(rank, "HOST", topo.host, topo.local_rank, topo.local_size, topo.node_rank, ",".join(topo.worker_hosts),
-    topo.describe_host(rank))
+say(rank, "HOST", topo.host, topo.local_rank, topo.local_size, topo.node_rank, ",".join(topo.worker_hosts))
