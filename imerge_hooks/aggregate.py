@@ -17,11 +17,18 @@ from .wire import DTYPE_BY_NAME, ROUND_TAGS, KeySpec
 
 
 class KeyAggregate:
-    """The average of one key over ``workers`` workers, one round at a time."""
+    """The average of one key over ``workers`` workers, one round at a time.
 
-    def __init__(self, spec: KeySpec, workers: int, join_divisor: str = "workers") -> None:
+    ``pushers``: the ranks whose pushes make up a round (default: the workers 0..W-1). With host
+    aggregation each host's push is the sum of its workers' gradients, so fewer pushes than workers
+    arrive and the sum is still divided by W.
+    """
+
+    def __init__(self, spec: KeySpec, workers: int, join_divisor: str = "workers",
+                 pushers: list[int] | None = None) -> None:
         self.spec = spec
         self.workers = workers
+        self.pushers = list(range(workers)) if pushers is None else list(pushers)
         self.join_divisor = join_divisor
         dtype = DTYPE_BY_NAME[spec.dtype]
         numel = spec.nbytes // torch.empty((), dtype=dtype).element_size()
@@ -76,7 +83,7 @@ class KeyAggregate:
 
     def complete(self, joined: set[int]) -> bool:
         """Has every worker that still trains (not in ``joined``, or joined after pushing) pushed?"""
-        return self.count > 0 and self.count == self.workers - len(joined - self.arrived)
+        return self.count > 0 and self.count == len(self.pushers) - len((joined & set(self.pushers)) - self.arrived)
 
     def finish(self) -> tuple[list[int], int | None]:
         """Close the round: :attr:`out` holds the average. Returns the workers to send it to (those
@@ -85,8 +92,8 @@ class KeyAggregate:
         Joined workers count as zero pushes and the sum was scaled by 1/W; with ``join_divisor``
         "active" it becomes the average over the workers that did push.
         """
-        if self.count < self.workers and self.join_divisor == "active":
-            self.acc.mul_(self.workers / self.count)
+        if self.count < len(self.pushers) and self.join_divisor == "active":
+            self.acc.mul_(len(self.pushers) / self.count)
         if self.out is not self.acc:
             self.out.copy_(self.acc)
         dests = sorted(self.arrived)

@@ -18,14 +18,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ._mpi import MPI
 from .errors import IMergeError, IMergeTimeoutError
 from .group import Group
+from .layout import key_owner
 from .polling import Backoff
 from .schedule import ReadyQueue, SchedulePolicy, SendWindows, SharedOrder, key_slots, shared_order
-from .wire import TAG_ERROR, PendingRequests, key_tag
+from .wire import ROUND_TAGS, TAG_ERROR, PendingRequests, key_tag, split_key_tag
 
 log = logging.getLogger("imerge")
 
@@ -39,6 +40,8 @@ class _Task:
     group: Group
     slot: int  # index into group.keys
     order: SharedOrder  # the key's place in the order every worker shares (schedule)
+    priority: int = 0  # the schedule's priority of its group (0 without priority)
+    buffer: list | None = None  # what to push, when not the group's own bytes (the host's sum)
 
     @property
     def nbytes(self) -> int:
@@ -55,13 +58,37 @@ class _InFlight:
     send_done: bool = False
 
 
+@dataclass
+class _Local:
+    """One key's traffic inside the host (host aggregation). ``gather``: the key's owner receives
+    the other local workers' gradients; ``forward``: it hands them the result; ``contribute``:
+    another worker sends the owner its gradient and receives the result from it."""
+
+    task: _Task
+    kind: str
+    peers: list[int]  # local ranks, one per request
+    started: float
+    left: int
+    done: set = field(default_factory=set)  # peers whose request completed
+
+
 class CommThread:
     """Owns every data-plane MPI call of one worker process."""
 
     def __init__(self, comm: MPI.Comm, worker_rank: int, num_workers: int, num_servers: int,
                  server_world_rank: Callable[[int], int], timeout_s: float,
-                 on_event: Callable[[str, Group, int, float, float], None] | None = None) -> None:
+                 on_event: Callable[[str, Group, int, float, float], None] | None = None,
+                 host_comm: MPI.Comm | None = None, host_workers: list[int] | None = None,
+                 describe: Callable[[int], str] | None = None) -> None:
         self.comm = comm
+        # Host aggregation: the workers of this host (world ranks, local order) and their communicator.
+        self.host_comm = host_comm
+        self.host_workers = list(host_workers or [worker_rank])
+        self.host_size = len(self.host_workers) if host_comm is not None else 1
+        self.local_rank = self.host_workers.index(worker_rank) if host_comm is not None else 0
+        self.describe = describe or (lambda rank: f"worker {rank}")
+        self._local = PendingRequests()  # requests of _Local operations, owned by (op, peer)
+        self._local_ops: dict[int, _Local] = {}  # id(op) -> op
         self.rank = worker_rank
         self.num_workers = num_workers
         self.num_servers = num_servers
@@ -133,22 +160,27 @@ class CommThread:
         try:
             while True:
                 # 1. take new groups
-                if not self._take_groups(ready, windows, block=not ready and not inflight):
+                if not self._take_groups(ready, windows, block=not ready and not inflight and not self._local_ops):
                     self._stopped.set()
                     return
                 # 2. start tasks within the credit and result windows; 3. complete what finished
                 progressed = self._start_ready(ready, windows, inflight, sends, recvs)
                 progressed = self._retire_done(windows, inflight, sends, recvs) or progressed
+                if self._local_ops:
+                    progressed = self._retire_local(ready) or progressed
                 # 4. errors from servers and timeouts
                 now = time.monotonic()
                 if now - last_check > 0.2:
                     last_check = now
                     self._check_server_errors()
                     self._check_timeouts(inflight, now)
+                    if self._local_ops:
+                        self._check_local(now)
                 if progressed:
                     backoff.reset()
-                elif inflight:
-                    backoff.idle(now - next(iter(inflight.values())).started)  # the oldest in flight
+                elif inflight or self._local_ops:
+                    oldest = next(iter(inflight.values() or self._local_ops.values())).started
+                    backoff.idle(now - oldest)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
             self._fail(exc)
 
@@ -210,15 +242,96 @@ class CommThread:
             progressed = True
             if op.recv_done:
                 del inflight[id(op)]
-                self._finish(op)
+                self._pushed(op)
         for op in recvs.completed():
             op.recv_done = True
             windows.resulted(op.task.nbytes, op.task.order, time.monotonic())
             progressed = True
             if op.send_done:
                 del inflight[id(op)]
-                self._finish(op)
+                self._pushed(op)
         return progressed
+
+    # ------------------------------------------------------------------ host aggregation
+    def _start_local(self, task: _Task, kind: str, started: float | None = None) -> None:
+        """Start ``kind`` (see ``_Local``) for ``task``'s key on the host communicator."""
+        group, comm = task.group, self.host_comm
+        spec = group.keys[task.slot]
+        start, end = group.key_ranges[task.slot]
+        tag = key_tag(spec.key, group.round)
+        owner = key_owner(spec.key, self.host_size)
+        if kind == "contribute":
+            peers = [owner, owner]
+            requests = [comm.Irecv(group.mpi_buffer(group.result, start, end), source=owner, tag=tag),
+                        comm.Isend(group.send_buffer(start, end), dest=owner, tag=tag)]
+        else:
+            peers = [m for m in range(self.host_size) if m != self.local_rank]
+            if kind == "gather":
+                scratch, n = group.gather_buffer(task.slot, len(peers)), end - start
+                requests = [comm.Irecv(group.mpi_buffer(scratch, i * n, (i + 1) * n), source=m, tag=tag)
+                            for i, m in enumerate(peers)]
+            else:
+                result = group.mpi_buffer(group.result, start, end)
+                requests = [comm.Isend(result, dest=m, tag=tag) for m in peers]
+        op = _Local(task, kind, peers, time.monotonic() if started is None else started, len(requests))
+        self._local_ops[id(op)] = op
+        for peer, request in zip(peers, requests):
+            self._local.add(request, (op, peer))
+
+    def _retire_local(self, ready: ReadyQueue) -> bool:
+        """Advance the host's operations whose requests finished (one progress call); True if any."""
+        finished = self._local.completed(full=True)
+        for op, peer in finished:
+            op.left -= 1
+            op.done.add(peer)
+            if op.left:
+                continue
+            del self._local_ops[id(op)]
+            task = op.task
+            if op.kind == "gather":  # the host's sum is ready: it waits for credit like any push
+                task.buffer = task.group.add_contributions(task.slot, len(op.peers))
+                ready.add(task, task.nbytes, task.priority, task.order, task.group.urgent)
+            else:
+                self._finish(task, op.started)
+        return bool(finished)
+
+    def _check_local(self, now: float) -> None:
+        """Name the local worker a key waits for past its deadline: a gather gives up first (before
+        the server's stall clock, so the worker that failed is named, not the owner that waits for it)."""
+        for op in self._local_ops.values():
+            spec = op.task.group.keys[op.task.slot]
+            late = now - op.started
+            missing = sorted({self.host_workers[p] for p in op.peers if p not in op.done})
+            who = ", ".join(self.describe(r) for r in missing)
+            if op.kind == "gather" and late > max(self.timeout_s - SERVER_FIRST_S, self.timeout_s / 2):
+                raise IMergeTimeoutError(
+                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: no gradient of "
+                    f"{spec.describe()} from {who} after {late:.0f} s (host aggregation: the workers of a host sum "
+                    "each key before one of them pushes it); it is dead or stuck")
+            if op.kind != "gather" and late > self.timeout_s + 2 * SERVER_FIRST_S:
+                what = "did not take the result of" if op.kind == "forward" else "sent no result for"
+                raise IMergeTimeoutError(
+                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: {who} {what} "
+                    f"{spec.describe()} after {late:.0f} s; a worker or server may be dead or stuck")
+        self._check_mates_rounds()
+
+    def _check_mates_rounds(self) -> None:
+        """A local worker's gradient for a key this worker gathers, but of another step: it is out of step."""
+        gathering = {(op.task.group.keys[op.task.slot].key, p): op for op in self._local_ops.values()
+                     if op.kind == "gather" for p in op.peers if p not in op.done}
+        status = MPI.Status()
+        for peer in sorted({p for _, p in gathering}):
+            if not self.host_comm.Iprobe(peer, MPI.ANY_TAG, status):
+                continue
+            key, round_number = split_key_tag(status.Get_tag())
+            op = gathering.get((key, peer))
+            if op is not None and round_number != op.task.group.round % ROUND_TAGS:
+                raise IMergeError(
+                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: "
+                    f"{self.describe(self.host_workers[peer])} sent its gradient of "
+                    f"{op.task.group.keys[op.task.slot].describe()} for another step than this worker's: workers "
+                    "are out of step (one skipped a backward before step(), or called step() or backward() a "
+                    "different number of times)")
 
     def _check_timeouts(self, inflight: dict[int, _InFlight], now: float) -> None:
         for op in inflight.values():
@@ -234,6 +347,8 @@ class CommThread:
             self._wake.clear()
 
     def _expand(self, group: Group, policy: SchedulePolicy, ready: ReadyQueue) -> None:
+        """One task per key; with host aggregation, keys this worker owns wait for its host's gradients
+        first, and the others go to their owner on this host instead of a server."""
         slots = key_slots([k.server for k in group.keys], self.rank, self.num_servers, policy.stagger)
         self._remaining[id(group)] = len(slots)
         self._active[id(group)] = group
@@ -243,8 +358,13 @@ class CommThread:
         prio = group.priority if policy.priority else 0
         number = next(self._seq)  # groups arrive in the same order on every worker
         for slot in slots:
-            task = _Task(group, slot, shared_order(prio, number, slot))
-            ready.add(task, task.nbytes, prio, task.order, group.urgent)
+            task = _Task(group, slot, shared_order(prio, number, slot), prio)
+            if self.host_size == 1:
+                ready.add(task, task.nbytes, prio, task.order, group.urgent)
+            elif key_owner(group.keys[slot].key, self.host_size) == self.local_rank:
+                self._start_local(task, "gather")
+            else:
+                self._start_local(task, "contribute")
 
     def _start(self, task: _Task) -> _InFlight:
         spec = task.group.keys[task.slot]
@@ -253,18 +373,26 @@ class CommThread:
         group = task.group
         tag = key_tag(spec.key, group.round)
         recv = self.comm.Irecv(group.mpi_buffer(group.result, start, end), source=dest, tag=tag)
-        send = self.comm.Isend(group.send_buffer(start, end), dest=dest, tag=tag)
+        buffer, task.buffer = task.buffer, None
+        send = self.comm.Isend(buffer if buffer is not None else group.send_buffer(start, end), dest=dest, tag=tag)
         now = time.monotonic()
         if self.on_event is not None:
             self.on_event("push", task.group, task.slot, now, 0.0)
         return _InFlight(task, recv, send, now)
 
-    def _finish(self, op: _InFlight) -> None:
-        group = op.task.group
-        start, end = group.key_ranges[op.task.slot]
+    def _pushed(self, op: _InFlight) -> None:
+        """A push and its result are done: the key is finished, or its owner hands its host the result."""
+        if self.host_size > 1:
+            self._start_local(op.task, "forward", op.started)
+        else:
+            self._finish(op.task, op.started)
+
+    def _finish(self, task: _Task, started: float) -> None:
+        group = task.group
+        start, end = group.key_ranges[task.slot]
         group.unpack(start, end)
         if self.on_event is not None:
-            self.on_event("done", group, op.task.slot, op.started, time.monotonic())
+            self.on_event("done", group, task.slot, started, time.monotonic())
         left = self._remaining[id(group)] - 1
         self._remaining[id(group)] = left
         if left == 0:

@@ -10,7 +10,7 @@ from typing import Any
 # Options of the whole process, set by imerge_hooks.init() (or IMERGE_* env vars); every other
 # option belongs to one engine (DistributedOptimizer, IMergeHookState, IMergeStrategy's optimizers).
 PROCESS_OPTIONS = frozenset({"num_servers", "timeout_s", "stall_warning_s", "polling", "cost_model_path",
-                             "calibrate", "timeline", "debug_delay_per_mb_s"})
+                             "calibrate", "timeline", "debug_delay_per_mb_s", "host_aggregation"})
 SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
 
 
@@ -80,6 +80,9 @@ class Config:
     # While workers have joined (imerge_hooks.join()): "workers" divides every sum by the number of
     # workers (their missing pushes count as zeros: Horovod, DDP's Join), "active" by those that pushed.
     join_divisor: str = "workers"
+    # Where a host holds several workers, they sum each key inside the host and one of them pushes the
+    # host's sum (BytePS's design): the host link carries the gradient once each way, not once per worker.
+    host_aggregation: bool = True
     # For tests: engines record (event, module, time, detail) of the overlap in ``engine.events``;
     # servers hold every result this many seconds per MB (not calibration keys) before sending it.
     record_events: bool = False

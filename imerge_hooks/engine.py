@@ -22,7 +22,7 @@ from .deferral import DeferredStep, deferral_blocker
 from .errors import IMergeUsageError
 from .gates import AccessGuard, GateLearner
 from .group import Group
-from .layout import Placement, cut_keys, dtype_name, names_in_range, wire_dtype
+from .layout import cut_keys, dtype_name, names_in_range, wire_dtype
 from .memory import Arena
 from .schedule import SchedulePolicy
 from .wire import SUPPORTED_DTYPES, KeySpec
@@ -223,7 +223,7 @@ class GradientEngine:
             group.result = None
             group.release_buffers()
         self._spare_views = []
-        placement = Placement(self.topo.num_servers)
+        placement = self.topo.placement()
         key_ids = iter(runtime.allocate_keys(self._count_keys(plan)))
         groups: list[Group] = []
         views: list[torch.Tensor | None] = [None] * len(self.params)
@@ -267,7 +267,7 @@ class GradientEngine:
             if swap:
                 for i, (_, off, n) in zip(members, spans):
                     spare[i] = result[off:off + n].view_as(self.params[i])
-            ranges = cut_keys(total, wire.itemsize, self.partition_limit, self.topo.num_servers)
+            ranges = cut_keys(total, wire.itemsize, self.partition_limit, self.topo.key_spread)
             keys = []
             for start, end in ranges:
                 nbytes = (end - start) * wire.itemsize
@@ -305,7 +305,7 @@ class GradientEngine:
         for members in plan:
             total = sum(self.params[i].numel() for i in members) + len(members)  # + presence flags
             size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
-            count += len(cut_keys(total, size, self.partition_limit, self.topo.num_servers))
+            count += len(cut_keys(total, size, self.partition_limit, self.topo.key_spread))
         return count
 
     # ------------------------------------------------------------------ backward

@@ -50,6 +50,7 @@ class Group:
     presence_at: int = 0
 
     _buffers: dict = field(default_factory=dict, repr=False)
+    _gathers: dict = field(default_factory=dict, repr=False)  # slot -> receive scratch (host aggregation)
 
     def mpi_buffer(self, tensor: torch.Tensor, start: int, end: int) -> list:
         """``as_mpi_buffer(tensor[start:end])``, cached: building one costs ~10 us per message."""
@@ -62,8 +63,40 @@ class Group:
         return buf
 
     def release_buffers(self) -> None:
-        """Drop the cached MPI views (they keep the group's buffers alive)."""
+        """Drop the cached MPI views (they keep the group's buffers alive) and the gather scratch."""
         self._buffers.clear()
+        self._gathers.clear()
+
+    def gather_buffer(self, slot: int, parts: int) -> torch.Tensor:
+        """Host aggregation, the key's owner: room for ``parts`` other workers' bytes of key ``slot``
+        (wire dtype, host memory), kept across rounds."""
+        buf = self._gathers.get(slot)
+        if buf is None:
+            start, end = self.key_ranges[slot]
+            buf = self._gathers[slot] = torch.empty(parts * (end - start), dtype=self.result.dtype)
+        return buf
+
+    def add_contributions(self, slot: int, parts: int) -> list:
+        """The key's owner: add the ``parts`` gathered contributions of key ``slot`` to this
+        worker's own and return the MPI buffer of the host's sum, to push.
+
+        In place where the gradient buffer is what travels (host memory, no wire conversion: it becomes
+        the next result buffer anyway); else summed at full precision before the wire conversion.
+        """
+        start, end = self.key_ranges[slot]
+        rows = self._gathers[slot].view(parts, end - start)
+        if self.staging is None:
+            target = self.flat[start:end]
+            for row in rows:
+                target.add_(row)
+            return self.mpi_buffer(self.flat, start, end)
+        if self.cuda_event is not None and self.flat.device.type == "cuda":
+            self.cuda_event.synchronize()
+        wide = torch.float64 if self.flat.dtype == torch.float64 else torch.float32
+        total = self.flat[start:end].to(device="cpu", dtype=wide)
+        total.add_(rows.to(wide).sum(0))
+        self.staging[start:end].copy_(total)
+        return self.mpi_buffer(self.staging, start, end)
 
     def send_buffer(self, start: int, end: int) -> list:
         """MPI buffer of the bytes to push for elements [start, end): host memory, wire dtype.

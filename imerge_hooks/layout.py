@@ -3,6 +3,8 @@ each key lives. Pure rules: the engine and the simulator both lay out keys with 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .wire import SUPPORTED_DTYPES
@@ -132,22 +134,54 @@ def cut_keys(numel: int, element_size: int, partition_bytes: int | None,
 
 
 class Placement:
-    """Each key goes to the server with the fewest bytes so far (ties: round-robin order).
+    """Each key goes to the server that keeps the busiest host link least loaded, then the server
+    with the fewest bytes so far (ties: round-robin order).
 
-    Why not plain round-robin by count: models alternate big weights and tiny biases or
-    BatchNorm parameters, and counting keys can put every weight on one server and every
-    bias on the other. Every worker places the same keys in the same order, so all agree.
+    Why bytes, not a count of keys: models alternate big weights and tiny biases or BatchNorm
+    parameters, and counting keys can put every weight on one server and every bias on the other.
+    Why links: a server on a worker host (colocated) takes no link bytes for its own host's push and
+    result, but carries every other host's, so where servers share hosts with workers, balanced
+    server bytes are not balanced link bytes. ``server_hosts`` (per server) and ``pushers`` (host ->
+    workers that push each key from it: 1 with host aggregation) describe that; without them every
+    server stands on a host of its own. Every worker places the same keys in the same order, so all
+    agree.
     """
 
-    def __init__(self, num_servers: int) -> None:
+    def __init__(self, num_servers: int, server_hosts: Sequence[str] | None = None,
+                 pushers: dict[str, int] | None = None) -> None:
         self.num_servers = max(1, num_servers)
         self.next = 0
         self.load = [0] * self.num_servers
+        self.server_hosts = list(server_hosts) if server_hosts and len(server_hosts) == self.num_servers else None
+        self.pushers = dict(pushers or {})
+        self.link: dict[str, int] = {}  # host -> bytes on its link (each direction) so far
+
+    def _link_cost(self, server: int, nbytes: int) -> tuple[int, int]:
+        """(the busiest link after placing ``nbytes`` on ``server``, that server's host link after)."""
+        where = self.server_hosts[server]
+        after = dict(self.link)
+        inbound = 0
+        for host, count in self.pushers.items():
+            if host != where:
+                after[host] = after.get(host, 0) + count * nbytes
+                inbound += count * nbytes
+        after[where] = after.get(where, 0) + inbound
+        return max(after.values(), default=0), after[where]
 
     def place(self, nbytes: int) -> int:
-        least = min(self.load)
-        server = next(s % self.num_servers for s in range(self.next, self.next + self.num_servers)
-                      if self.load[s % self.num_servers] == least)
+        order = [s % self.num_servers for s in range(self.next, self.next + self.num_servers)]
+        if self.server_hosts is None or not self.pushers:
+            least = min(self.load)
+            server = next(s for s in order if self.load[s] == least)
+        else:
+            server = min(order, key=lambda s: (self._link_cost(s, nbytes), self.load[s]))
+            where = self.server_hosts[server]
+            inbound = 0
+            for host, count in self.pushers.items():
+                if host != where:
+                    self.link[host] = self.link.get(host, 0) + count * nbytes
+                    inbound += count * nbytes
+            self.link[where] = self.link.get(where, 0) + inbound
         self.next = (server + 1) % self.num_servers
         self.load[server] += nbytes
         return server
@@ -156,6 +190,13 @@ class Placement:
         """max/mean bytes per server (1.0 is perfect)."""
         mean = sum(self.load) / len(self.load)
         return max(self.load) / mean if mean else 1.0
+
+    def link_balance(self) -> float:
+        """max/mean bytes per host link (1.0 is perfect; 1.0 when links are not modelled)."""
+        if not self.link:
+            return 1.0
+        mean = sum(self.link.values()) / len(self.link)
+        return max(self.link.values()) / mean if mean else 1.0
 
 
 def names_in_range(spans: list[tuple[str, int, int]], start: int, end: int) -> tuple[str, ...]:
@@ -175,3 +216,10 @@ def calibration_keys(nbytes: int, num_servers: int) -> list[tuple[int, int, int]
     return [(start, min(numel, start + per), placement.place((min(numel, start + per) - start) * 4))
             for start in range(0, numel, per)]
 
+
+
+def key_owner(key: int, local_size: int) -> int:
+    """With host aggregation: the local rank that gathers ``key`` from its host's workers, pushes the
+    host's sum and hands the result back. Round-robin over key ids, which are consecutive within a
+    group and cut into equal pieces (``cut_keys``), so every local worker owns an equal share."""
+    return key % max(1, local_size)

@@ -100,7 +100,7 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
         cfg = cfg.replace(num_servers=0)
     _state.explicit["num_servers"] = cfg.num_servers
     collectives.configure(cfg.timeout_s)
-    topo = build_topology(int(cfg.num_servers), timeout_s=cfg.timeout_s)
+    topo = build_topology(int(cfg.num_servers), timeout_s=cfg.timeout_s, aggregate_in_host=cfg.host_aggregation)
     _state.topology, _state.config = topo, cfg
     set_identity(topo)
     _setup_logging()
@@ -125,7 +125,9 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     if topo.num_servers > 0:
         on_event = _timeline_comm_event if _state.timeline is not None else None
         _state.comm_thread = CommThread(topo.data_comm, topo.worker_rank, topo.num_workers, topo.num_servers,
-                                        topo.server_world_rank, cfg.timeout_s, on_event=on_event)
+                                        topo.server_world_rank, cfg.timeout_s, on_event=on_event,
+                                        host_comm=topo.host_comm, host_workers=topo.host_workers,
+                                        describe=topo.describe_rank)
     atexit.register(shutdown)
 
 

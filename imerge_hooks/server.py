@@ -209,9 +209,8 @@ class Server:
         self._wait_sends()
         partial = [k for k in self.keys.values() if k.agg.count]
         for k in partial:
-            missing = sorted(set(range(self.workers)) - k.agg.arrived)
-            log.error("IMerge server %d: %s while %s still waits for worker(s) %s",
-                      self.index, why, k.spec.describe(), missing)
+            log.error("IMerge server %d: %s while %s still waits for %s",
+                      self.index, why, k.spec.describe(), self._missing(k))
 
     def _warn_if_unused(self) -> None:
         """Every worker shut down and none ever registered a tensor: the job ran, but not through
@@ -255,7 +254,8 @@ class Server:
         if self.joined:
             self._abort(f"worker {worker} shut down without calling imerge_hooks.join() while workers "
                         f"{sorted(self.joined)} wait in join(): every worker must call join() when its data ends")
-        waiting = next((k for k in self.keys.values() if k.agg.count and worker not in k.agg.arrived), None)
+        waiting = next((k for k in self.keys.values()
+                        if k.agg.count and self._pusher_for(k, worker) not in k.agg.arrived), None)
         if waiting is not None:
             self._abort_early_shutdown(worker, f"{waiting.spec.describe()} waits for it")
 
@@ -269,6 +269,23 @@ class Server:
         training = [w for w in range(self.workers) if w not in self._shut]
         self._abort(f"worker {worker} shut down while workers {training} still train ({what}); a worker that runs "
                     "out of data must call imerge_hooks.join()")
+
+    def _pusher_for(self, state: _KeyState, worker: int) -> int:
+        """The rank that pushes ``state``'s key for ``worker`` (itself, or its host's owner of the key)."""
+        if worker in state.agg.pushers or not self.topo.hosts:
+            return worker
+        host = self.topo.hosts[worker]
+        return next((r for r in state.agg.pushers if self.topo.hosts[r] == host), worker)
+
+    def _missing(self, state: _KeyState) -> str:
+        """``worker(s) [1] on host(s) ['b']``: who a key's open round still waits for (with host
+        aggregation, the worker that pushes for a host: it waits for its host's workers in turn)."""
+        missing = sorted(set(state.agg.pushers) - state.agg.arrived - self.joined)
+        hosts = sorted({self.topo.hosts[r] for r in missing}) if self.topo.hosts else []
+        text = f"worker(s) {missing}" + (f" on host(s) {hosts}" if hosts else "")
+        if self.topo.aggregate_in_host:
+            text += " (each pushes its host's sum: it may itself wait for a worker of its host)"
+        return text
 
     def _describe_key(self, key: int) -> str:
         state = self.keys.get(key)
@@ -297,7 +314,7 @@ class Server:
         self.epoch = regs[0]["epoch"]
         old = self.keys
         self.keys = {k.key: old[k.key] if k.key in old and old[k.key].spec == k else
-                     _KeyState(KeyAggregate(k, self.workers, self.cfg.join_divisor))
+                     _KeyState(KeyAggregate(k, self.workers, self.cfg.join_divisor, self.topo.pushers(k.key)))
                      for k in table if k.server == self.index}
         for worker in regs:
             self.comm.send({"op": "ack", "epoch": self.epoch, "server": self.index}, dest=worker, tag=TAG_REPLY)
@@ -323,6 +340,11 @@ class Server:
         if state is None:
             problem = (f"IMerge server {self.index}: worker {source} pushed key {key}, which is not in plan "
                        f"epoch {self.epoch} (known keys: {sorted(self.keys)[:8]}...)")
+        elif source not in state.agg.pushers:
+            mine = next((r for r in state.agg.pushers if self.topo.hosts[r] == self.topo.hosts[source]), None)
+            problem = (f"IMerge server {self.index}: worker {source} pushed {state.spec.describe()}, but with host "
+                       f"aggregation worker {mine} pushes it for host {self.topo.hosts[source]!r} (its workers do "
+                       "not agree on the hosts or on host_aggregation)")
         elif nbytes != state.spec.nbytes:
             problem = (f"IMerge server {self.index}: worker {source} pushed {nbytes} bytes for "
                        f"{state.spec.describe()}, expected {state.spec.nbytes}")
@@ -491,14 +513,12 @@ class Server:
         self._abort_late_receives(now)
         for state in self.keys.values():
             if state.agg.count and now - state.first_push_at > self.cfg.timeout_s:
-                missing = sorted(set(range(self.workers)) - state.agg.arrived)
                 self._abort(f"{state.spec.describe()} waited {now - state.first_push_at:.0f} s (timeout_s) for "
-                            f"worker(s) {missing} (tensors: {', '.join(state.spec.names)}); they are dead or stuck")
+                            f"{self._missing(state)} (tensors: {', '.join(state.spec.names)}); they are dead or stuck")
             if state.agg.count and not state.warned and now - state.first_push_at > self.cfg.stall_warning_s:
                 state.warned = True
-                missing = sorted(set(range(self.workers)) - state.agg.arrived)
-                log.warning("IMerge server %d: %s has waited %.0f s for worker(s) %s (tensors: %s)",
-                            self.index, state.spec.describe(), now - state.first_push_at, missing,
+                log.warning("IMerge server %d: %s has waited %.0f s for %s (tensors: %s)",
+                            self.index, state.spec.describe(), now - state.first_push_at, self._missing(state),
                             ", ".join(state.spec.names))
 
 

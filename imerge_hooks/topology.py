@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from ._mpi import MPI
 from .collectives import collective
 from .errors import IMergeConfigError
+from .layout import Placement, key_owner
 
 
 @dataclass
@@ -33,6 +34,10 @@ class Topology:
     local_size: int
     ranks_on_node: int = 1  # workers and servers sharing this machine's cores (decides how to poll)
     hosts: tuple[str, ...] = field(default=())  # host of every world rank
+    # Host aggregation (``aggregate_in_host``): the workers of this host, world ranks in local-rank order,
+    # and their communicator (MPI_COMM_NULL on servers and where every host holds one worker).
+    host_comm: MPI.Comm | None = None
+    aggregate_in_host: bool = False
 
     @property
     def host(self) -> str:
@@ -49,6 +54,48 @@ class Topology:
         """Index of this rank's host among the workers' hosts (Lightning's node rank); 0 on a server's own host."""
         hosts = self.worker_hosts
         return hosts.index(self.host) if self.host in hosts else 0
+
+    def workers_on(self, host: str) -> list[int]:
+        """World ranks of the workers on ``host``, in local-rank order."""
+        return [r for r in range(self.num_workers) if self.hosts[r] == host]
+
+    @property
+    def host_workers(self) -> list[int]:
+        """The workers of this rank's host (world ranks, local-rank order); empty on a server's own host."""
+        return self.workers_on(self.host) if self.hosts else [self.world_rank]
+
+    @property
+    def server_hosts(self) -> list[str]:
+        """The host of every server, by server index."""
+        return [self.hosts[self.server_world_rank(s)] for s in range(self.num_servers)] if self.hosts else []
+
+    @property
+    def max_local_size(self) -> int:
+        """The most workers any host holds."""
+        return max((len(self.workers_on(h)) for h in self.worker_hosts), default=1)
+
+    @property
+    def key_spread(self) -> int:
+        """A large group is cut into at least this many keys: one per server and, with host aggregation,
+        one per worker of the fullest host (each local worker pushes its share of every group)."""
+        return max(self.num_servers, self.max_local_size if self.aggregate_in_host else 1)
+
+    def pushers(self, key: int) -> list[int]:
+        """The world ranks that push ``key`` to its server: every worker or, with host aggregation, one
+        worker per host, the key's owner there (``layout.key_owner``), which pushes its host's sum."""
+        if not self.aggregate_in_host:
+            return list(range(self.num_workers))
+        return sorted(mates[key_owner(key, len(mates))] for mates in map(self.workers_on, self.worker_hosts))
+
+    def placement(self) -> Placement:
+        """A key placement (``layout.Placement``) that knows which hosts the servers and pushers are on."""
+        pushers = {h: 1 if self.aggregate_in_host else len(self.workers_on(h)) for h in self.worker_hosts}
+        return Placement(self.num_servers, self.server_hosts, pushers)
+
+    def describe_rank(self, rank: int) -> str:
+        """``worker 3 (host a)``: a world rank as messages name it."""
+        role = f"server {rank - self.num_workers}" if rank >= self.num_workers else f"worker {rank}"
+        return f"{role} (host {self.hosts[rank]})" if self.hosts else role
 
     @property
     def num_workers(self) -> int:
@@ -76,8 +123,12 @@ class Topology:
         return list(range(self.num_workers))
 
 
-def build_topology(num_servers: int, timeout_s: float = 600.0) -> Topology:
+def build_topology(num_servers: int, timeout_s: float = 600.0, aggregate_in_host: bool = True) -> Topology:
     """Split COMM_WORLD into roles (collective over COMM_WORLD).
+
+    ``aggregate_in_host``: where a host holds several workers they reduce each key inside the host
+    first and one of them pushes the host's sum (``comm.py``); needs servers, off where every host
+    holds one worker.
 
     First every rank's machine is gathered with a deadline (``timeout_s``): it also tells that
     every rank has arrived, before the blocking MPI calls that split the world.
@@ -111,12 +162,20 @@ def build_topology(num_servers: int, timeout_s: float = 600.0) -> Topology:
     else:
         mates = [r for r in range(workers) if hosts[r] == hosts[rank]]
         local_rank, local_size = mates.index(rank), len(mates)
+    worker_hosts = sorted(set(hosts[:workers]))
+    aggregate = bool(aggregate_in_host and num_servers and
+                     max(hosts[:workers].count(h) for h in worker_hosts) > 1)
+    host_comm = None
+    if aggregate and not is_server:  # collective over the workers
+        host_comm = worker_comm.Split(worker_hosts.index(hosts[rank]), rank)
+        host_comm.Set_name("imerge-host")
     everyone_here = world.Split_type(MPI.COMM_TYPE_SHARED, rank)
     # MPI's view of "this node" misses ranks that it was told to treat as remote (separate network
     # namespaces, MPIR_CVAR_NOLOCAL, containers); they still share this machine's cores.
     ranks_on_node = max(everyone_here.Get_size(), machines.count(machines[rank]))
     everyone_here.Free()
-    return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size, ranks_on_node, hosts)
+    return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size, ranks_on_node, hosts,
+                    host_comm, aggregate)
 
 
 def host_name() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import itertools
 import os
 import shutil
 import signal
@@ -98,12 +99,14 @@ def kill_job(proc: subprocess.Popen) -> tuple[str, str]:
 
 
 def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None = None, timeout: float = 120,
-            env: dict[str, str] | None = None) -> MPIRun:
+            env: dict[str, str] | None = None, hosts: list[str] | None = None) -> MPIRun:
     """Run ``python script args`` on ``n`` ranks; return code, output and each rank's stdout.
 
     Kills the whole job (process group) on timeout, or on any exception while it waits (pytest-timeout's
     included), and raises, so a hang fails fast and leaves nothing running.
     ``IMERGE_TEST_TIMEOUT_SCALE`` (default 2) stretches every timeout on loaded machines.
+    ``hosts``: world rank r stands for host ``hosts[r]`` (an MPMD launch with ``-env IMERGE_HOST`` per
+    block of ranks, as on one machine that emulates several hosts).
     """
     timeout *= float(os.environ.get("IMERGE_TEST_TIMEOUT_SCALE", "2"))
     full_env = dict(os.environ)
@@ -115,6 +118,14 @@ def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None =
     if env:
         full_env.update(env)
     cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(script), *args]
+    if hosts is not None:
+        if len(hosts) != n:
+            raise ValueError(f"run_mpi: {len(hosts)} hosts for {n} ranks")
+        cmd = [mpiexec_path()]
+        for host, block in itertools.groupby(hosts):
+            if len(cmd) > 1:
+                cmd.append(":")
+            cmd += ["-n", str(len(list(block))), "-env", "IMERGE_HOST", host, sys.executable, str(script), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
                             cwd=str(REPO), preexec_fn=_own_group_dies_with_parent)
     try:

@@ -1,6 +1,8 @@
 """Train SmallCNN under torch DDP, with or without imerge_hooks.ps_hook.
 
-Usage: python train_ddp_hook.py OUT [--hook] [--schedule wfbp] [--no-sync-every 2]
+Usage: python train_ddp_hook.py OUT [--hook] [--schedule wfbp[,imerge,...]] [--accumulate 2]
+
+With several schedules, each trains a fresh model in turn and OUT names its file with ``{schedule}``.
 """
 
 import argparse
@@ -25,32 +27,42 @@ args = parser.parse_args()
 
 imh.init()
 rank, world = imh.rank(), imh.size()
-model = make_model()
-ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
-                                                bucket_cap_mb=args.bucket_cap_mb)
-state = None
-if args.hook:
-    state = imh.IMergeHookState(schedule=args.schedule, named_parameters=model.named_parameters(),
-                                compression=args.compression)
-    # A hook state goes into checkpoints and copies, as PowerSGD's does.
-    copied = pickle.loads(pickle.dumps(copy.deepcopy(state)))
-    assert copied.cfg == state.cfg and copied.comm is state.comm
-    ddp.register_comm_hook(state, imh.ps_hook)
-opt = make_optimizer("sgd", model.parameters())
-for step in range(args.steps):
-    opt.zero_grad()
-    x, y = batch(step)
-    x, y = shard(x, rank, world), shard(y, rank, world)
-    for micro in range(args.accumulate):
-        last = micro == args.accumulate - 1
-        ctx = contextlib.nullcontext() if last else ddp.no_sync()
-        with ctx:
-            loss_fn(ddp, shard(x, micro, args.accumulate), shard(y, micro, args.accumulate)) \
-                .div(args.accumulate).backward()
-    opt.step()
-if rank == 0:
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out)
-if state is not None:
-    say(rank, "KEYBYTES", sum(k.nbytes for g in state.engine.groups for k in g.keys))
-    say(rank, "GROUPS", len(state.engine.groups), "BUCKETS", len(state.signature))
+say(rank, "AGGREGATE", imh.runtime.topology().aggregate_in_host, imh.runtime.topology().host)
+
+
+def train(schedule: str, out: str) -> None:
+    model = make_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
+                                                    bucket_cap_mb=args.bucket_cap_mb)
+    state = None
+    if args.hook:
+        state = imh.IMergeHookState(schedule=schedule, named_parameters=model.named_parameters(),
+                                    compression=args.compression)
+        # A hook state goes into checkpoints and copies, as PowerSGD's does.
+        copied = pickle.loads(pickle.dumps(copy.deepcopy(state)))
+        assert copied.cfg == state.cfg and copied.comm is state.comm
+        ddp.register_comm_hook(state, imh.ps_hook)
+    opt = make_optimizer("sgd", model.parameters())
+    for step in range(args.steps):
+        opt.zero_grad()
+        x, y = batch(step)
+        x, y = shard(x, rank, world), shard(y, rank, world)
+        for micro in range(args.accumulate):
+            last = micro == args.accumulate - 1
+            ctx = contextlib.nullcontext() if last else ddp.no_sync()
+            with ctx:
+                loss_fn(ddp, shard(x, micro, args.accumulate), shard(y, micro, args.accumulate)) \
+                    .div(args.accumulate).backward()
+        opt.step()
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
+    if state is not None:
+        say(rank, "KEYBYTES", sum(k.nbytes for g in state.engine.groups for k in g.keys))
+        say(rank, "GROUPS", len(state.engine.groups), "BUCKETS", len(state.signature))
+        if state.engine is not None:  # retire its keys before the next schedule registers its own
+            state.engine.close()
+
+
+for schedule in args.schedule.split(","):  # OUT may hold {schedule}
+    train(schedule, args.out.format(schedule=schedule))
 say(rank, "done")

@@ -31,6 +31,7 @@ args = parser.parse_args()
 
 imh.init()
 rank, world = imh.rank(), imh.size()
+say(rank, "AGGREGATE", imh.runtime.topology().aggregate_in_host, imh.runtime.topology().host)
 
 
 def run(schedule: str, opt_name: str, out: str) -> None:

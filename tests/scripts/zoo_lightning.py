@@ -1,12 +1,13 @@
 """Zoo models through ``Trainer(strategy="imerge")``: automatic and manual optimization, one launch.
 
-Usage: python zoo_lightning.py OUT [--runs ID,ID,...]
+Usage: python zoo_lightning.py OUT [--runs ID,ID,...] [--schedules S,S,...]
 
 Each run (see zoo_models.LIGHTNING_RUNS) fits a fresh LightningModule around a zoo model for one epoch of the
 model's steps; worker r's loader yields its contiguous shard of each step's full batch (no
 distributed sampler), so the run must match ``zoo_models.reference_train``. The schedule
-comes from IMERGE_SCHEDULE (default ``imerge``). Worker 0 writes OUT/<run>.pt (the zoo
-model's state_dict); a worker whose fit raised writes OUT/<run>.err.<rank>.
+comes from IMERGE_SCHEDULE (default ``imerge``); with ``--schedules`` every run fits once per
+schedule, named ``<run>-<schedule>``. Worker 0 writes OUT/<name>.pt (the zoo model's state_dict);
+a worker whose fit raised writes OUT/<name>.err.<rank>.
 """
 
 from __future__ import annotations
@@ -90,16 +91,19 @@ def worker_loader(t: pl.Trainer, model: str) -> DataLoader:
     return DataLoader(TensorDataset(*columns, target), batch_size=shards[0][1].shape[0], shuffle=False)
 
 
-def trainer(counter: DeferralCounter) -> pl.Trainer:
-    return pl.Trainer(strategy="imerge", accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=[counter],
+def trainer(counter: DeferralCounter, schedule: str | None) -> pl.Trainer:
+    strategy = "imerge" if schedule is None else lightning_plugin.IMergeStrategy(schedule=schedule)
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, logger=False, callbacks=[counter],
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, use_distributed_sampler=False)
 
 
-def fit(run: str, out: Path) -> None:
+def fit(run: str, out: Path, schedule: str | None = None) -> None:
     model_name, opt_name, manual = LIGHTNING_RUNS[run]
     counter = DeferralCounter()
-    t = trainer(counter)
+    t = trainer(counter, schedule)
+    if schedule is not None:
+        run = f"{run}-{schedule}"
     module = ZooModule(model_name, opt_name, manual)
     t.fit(module, worker_loader(t, model_name))
     if imerge_hooks.is_server():
@@ -115,14 +119,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--runs", default=",".join(LIGHTNING_RUNS))
+    parser.add_argument("--schedules", default=None)
     args = parser.parse_args()
     out = Path(args.out)
-    for run in args.runs.split(","):
+    schedules = args.schedules.split(",") if args.schedules else [None]
+    for run, schedule in ((r, s) for r in args.runs.split(",") for s in schedules):
         try:
-            fit(run, out)
+            fit(run, out, schedule)
             say(WORLD_RANK, "run-ok", run)
         except Exception:
-            (out / f"{run}.err.{WORLD_RANK}").write_text(traceback.format_exc())
+            name = run if schedule is None else f"{run}-{schedule}"
+            (out / f"{name}.err.{WORLD_RANK}").write_text(traceback.format_exc())
             say(WORLD_RANK, "run-failed", run)
     say(WORLD_RANK, "done")
 

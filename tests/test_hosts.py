@@ -1,0 +1,62 @@
+"""Two emulated hosts of two workers each (``IMERGE_HOST`` per rank, one machine): with host
+aggregation every schedule and every front end still gives single-process full-batch parameters,
+and a worker that stops during its host's reduction is named, with its host.
+
+Servers stand one on each host (colocated, the layout most users have).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from common import reference_train
+from mpirun import cost_model_cache, run_mpi
+
+SCRIPTS = Path(__file__).parent / "scripts"
+HOSTS = ["h0", "h0", "h1", "h1", "h0", "h1"]  # world ranks: 4 workers, then 2 servers
+SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
+TOL = 1e-5
+ENV = {"IMERGE_PROFILE_STEPS": "3", "IMERGE_FUSION_THRESHOLD_BYTES": "4000", "IMERGE_TIMEOUT_S": "120",
+       "IMERGE_PARTITION_BYTES": "2000"}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("front", ["optimizer", "ddp-hook"])
+def test_every_schedule_matches_full_batch_on_two_hosts(tmp_path, front):
+    out = tmp_path / "{schedule}.pt"
+    script, args = {"optimizer": ("train_optimizer.py", ["--optimizer", "sgd"]),
+                    "ddp-hook": ("train_ddp_hook.py", ["--hook"])}[front]
+    schedules = SCHEDULES if front == "optimizer" else SCHEDULES[:-1]  # a DDP hook cannot overlap the forward
+    run = run_mpi(SCRIPTS / script, 6, str(out), "--schedule", ",".join(schedules), "--steps", "6", *args,
+                  servers=2, hosts=HOSTS, timeout=240,
+                  env={**ENV, "IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
+                  ).check()
+    assert [run.lines(r, "AGGREGATE")[0] for r in range(4)] == ["True h0", "True h0", "True h1", "True h1"]
+    for schedule in schedules:
+        got = torch.load(str(out).format(schedule=schedule))
+        assert max_diff(got, reference_train("sgd", 6)) <= TOL, (front, schedule)
+
+
+def test_lightning_every_schedule_matches_full_batch_on_two_hosts(tmp_path):
+    """``Trainer(strategy=IMergeStrategy(schedule=...))``: automatic optimization for every schedule,
+    manual optimization with ``imerge`` (zoo models, ``scripts/zoo_lightning.py``)."""
+    import zoo_models
+
+    cache = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
+    run = run_mpi(SCRIPTS / "zoo_lightning.py", 6, str(tmp_path), "--runs", "transformer-auto", "--schedules",
+                  ",".join(SCHEDULES), servers=2, hosts=HOSTS, timeout=300, env={**ENV, **cache})
+    manual = run_mpi(SCRIPTS / "zoo_lightning.py", 6, str(tmp_path), "--runs", "gpt-manual", "--schedules",
+                     "imerge", servers=2, hosts=HOSTS, timeout=200, env={**ENV, **cache})
+    names = [(f"transformer-auto-{s}", "transformer", "adam") for s in SCHEDULES]
+    for name, model, optimizer in names + [("gpt-manual-imerge", "gpt", "sgd")]:
+        path = tmp_path / f"{name}.pt"
+        assert path.exists(), f"{name}: no result\n{(run.stdout + manual.stdout)[-3000:]}\n{run.stderr[-3000:]}" \
+            f"\n{manual.stderr[-3000:]}\n{''.join(p.read_text() for p in tmp_path.glob(name + '.err.*'))[-3000:]}"
+        ref = zoo_models.reference_train(model, optimizer)
+        assert max_diff(torch.load(path), ref) <= TOL, name
