@@ -26,7 +26,7 @@ from .group import Group
 from .layout import key_owner
 from .polling import Backoff
 from .schedule import ReadyQueue, SchedulePolicy, SendWindows, SharedOrder, key_slots, shared_order
-from .wire import ROUND_TAGS, TAG_ERROR, PendingRequests, key_tag, split_key_tag
+from .wire import ROUND_TAGS, TAG_ERROR, TAG_HOST_SHUTDOWN, PendingRequests, key_tag, split_key_tag
 
 log = logging.getLogger("imerge")
 
@@ -89,6 +89,7 @@ class CommThread:
         self.describe = describe or (lambda rank: f"worker {rank}")
         self._local = PendingRequests()  # requests of _Local operations, owned by (op, peer)
         self._local_ops: dict[int, _Local] = {}  # id(op) -> op
+        self._gone: set[int] = set()  # local ranks that shut down (TAG_HOST_SHUTDOWN)
         self.rank = worker_rank
         self.num_workers = num_workers
         self.num_servers = num_servers
@@ -314,6 +315,22 @@ class CommThread:
                     f"IMerge {self.describe(self.host_workers[self.local_rank])}: {who} {what} "
                     f"{spec.describe()} after {late:.0f} s; a worker or server may be dead or stuck")
         self._check_mates_rounds()
+        self._check_mates_gone()
+
+    def _check_mates_gone(self) -> None:
+        """A local worker shut down while this one waits for it: it ran out of data without join()."""
+        status = MPI.Status()
+        while self.host_comm.Iprobe(MPI.ANY_SOURCE, TAG_HOST_SHUTDOWN, status):
+            self.host_comm.recv(source=status.Get_source(), tag=TAG_HOST_SHUTDOWN)
+            self._gone.add(status.Get_source())
+        for op in self._local_ops.values():
+            waited = [p for p in op.peers if p in self._gone and p not in op.done]
+            if waited:
+                raise IMergeError(
+                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: "
+                    f"{self.describe(self.host_workers[waited[0]])} shut down while this worker still trains "
+                    f"({op.task.group.keys[op.task.slot].describe()} waits for it); a worker that runs out of data "
+                    "must call imerge_hooks.join()")
 
     def _check_mates_rounds(self) -> None:
         """A local worker's gradient for a key this worker gathers, but of another step: it is out of step."""
@@ -329,7 +346,8 @@ class CommThread:
                 raise IMergeError(
                     f"IMerge {self.describe(self.host_workers[self.local_rank])}: "
                     f"{self.describe(self.host_workers[peer])} sent its gradient of "
-                    f"{op.task.group.keys[op.task.slot].describe()} for another step than this worker's: workers "
+                    f"{op.task.group.keys[op.task.slot].describe()} for another step than this worker's (round "
+                    f"{round_number} against {op.task.group.round % ROUND_TAGS}, modulo {ROUND_TAGS}): workers "
                     "are out of step (one skipped a backward before step(), or called step() or backward() a "
                     "different number of times)")
 

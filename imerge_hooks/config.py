@@ -10,7 +10,8 @@ from typing import Any
 # Options of the whole process, set by imerge_hooks.init() (or IMERGE_* env vars); every other
 # option belongs to one engine (DistributedOptimizer, IMergeHookState, IMergeStrategy's optimizers).
 PROCESS_OPTIONS = frozenset({"num_servers", "timeout_s", "stall_warning_s", "polling", "cost_model_path",
-                             "calibrate", "timeline", "debug_delay_per_mb_s", "host_aggregation"})
+                             "calibrate", "timeline", "debug_delay_per_mb_s", "host_aggregation",
+                             "servers_per_host", "share_gpus"})
 SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
 
 
@@ -83,6 +84,10 @@ class Config:
     # Where a host holds several workers, they sum each key inside the host and one of them pushes the
     # host's sum (BytePS's design): the host link carries the gradient once each way, not once per worker.
     host_aggregation: bool = True
+    # init() refuses a launch that puts more servers than this on one host (None: no limit; 1: one each)
+    servers_per_host: int | None = None
+    # init() refuses a host with more workers than GPUs (where it has GPUs) unless sharing is intended
+    share_gpus: bool = False
     # For tests: engines record (event, module, time, detail) of the overlap in ``engine.events``;
     # servers hold every result this many seconds per MB (not calibration keys) before sending it.
     record_events: bool = False
@@ -108,6 +113,8 @@ class Config:
             raise ValueError(f"IMerge: polling must be auto, spin or yield, got {self.polling!r}")
         if self.join_divisor not in ("workers", "active"):
             raise ValueError(f"IMerge: join_divisor must be workers or active, got {self.join_divisor!r}")
+        if self.servers_per_host is not None and self.servers_per_host < 1:
+            raise ValueError(f"IMerge: servers_per_host must be >= 1 or None, got {self.servers_per_host}")
         if self.compression not in ("none", "fp16", "bf16"):
             raise ValueError(f"IMerge: compression must be none, fp16 or bf16, got {self.compression!r}")
 

@@ -104,8 +104,9 @@ class GradientEngine:
         """Where gradients come from and what the process asks of this engine: grad hooks on the
         parameters, flush and join callbacks, the timeline's module spans."""
         runtime.add_flush_callback(self.flush_deferred)
-        runtime._state.join_callbacks.append(self.synchronize)
+        runtime._state.join_callbacks.append(self._finish_before_join)
         runtime._state.after_join_callbacks.append(self._take_parameters_of)
+        runtime._state.shadow_callbacks.append(self.shadow_round)
         if self.timeline is not None:
             self.timeline.watch_modules(lambda m: any(id(p) in self._index for p in m._parameters.values()
                                                       if p is not None))
@@ -236,8 +237,9 @@ class GradientEngine:
                 raise ValueError(f"IMerge: plan group {gi} mixes dtypes/devices {dtypes} {devices}; "
                                  "groups must be homogeneous")
             dtype, device = dtypes.pop(), devices.pop()
-            # + one element per tensor: the push's "this worker has a gradient" flags (``had_gradient``)
-            shapes.append((dtype, device, sum(self.params[i].numel() for i in members) + len(members),
+            # + one element per tensor, the push's "this worker has a gradient" flags (``had_gradient``),
+            # and one, "this worker trains" (0 while it waits in join(): ``shadow_round``)
+            shapes.append((dtype, device, sum(self.params[i].numel() for i in members) + len(members) + 1,
                            wire_dtype(dtype, self.cfg.compression)))
         # Host buffers of all groups come from two huge-page arenas (gradients, results).
         gpu_pinned = torch.cuda.is_available()
@@ -303,7 +305,7 @@ class GradientEngine:
     def _count_keys(self, plan: list[list[int]]) -> int:
         count = 0
         for members in plan:
-            total = sum(self.params[i].numel() for i in members) + len(members)  # + presence flags
+            total = sum(self.params[i].numel() for i in members) + len(members) + 1  # + flags (set_layout)
             size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
             count += len(cut_keys(total, size, self.partition_limit, self.topo.key_spread))
         return count
@@ -362,7 +364,8 @@ class GradientEngine:
             group.done.set()
             group.submitted = True
             return
-        flags = group.flat[group.presence_at:]
+        group.flat[group.active_at] = 1  # this worker trains (not shadowing a round in join())
+        flags = group.flat[group.presence_at:group.active_at]
         if present is None and self.group_arrived[group.index] == len(group.members):
             flags.fill_(1)
         else:
@@ -414,6 +417,37 @@ class GradientEngine:
         if self.comm is not None:
             self.comm.wait(group)
         self._take_result(group)
+        if self._divide_by_trained and group.rescaled != group.round:
+            group.rescaled = group.round
+            trained = group.trained(self.topo.num_workers)
+            if 0 < trained < self.topo.num_workers:  # some workers shadowed this round from join()
+                group.flat[:group.presence_at].mul_(self.topo.num_workers / trained)
+
+    @property
+    def _divide_by_trained(self) -> bool:
+        """``join_divisor="active"`` where joined workers shadow rounds (host aggregation): the servers
+        divide by every worker, the workers rescale to the ones that trained."""
+        return self.cfg.join_divisor == "active" and self.topo.aggregate_in_host
+
+    def shadow_round(self, wait) -> int | None:
+        """This worker waits in join() while others still train, with host aggregation: it takes part
+        in their next round with zero gradients and its flags off, as Horovod's joined ranks do in
+        all-reduces (its host's sums need it, and it may push some of its host's keys). ``wait(group)``
+        waits for one group. Returns how many workers trained in that round (0: all have joined; None:
+        nothing to shadow)."""
+        if self.comm is None or not self.groups:
+            return None
+        for group in self.groups:
+            group.flat.zero_()
+            self.comm.submit(group, self.policy, self.iteration)
+        trained = 0
+        for group in self.groups:
+            wait(group)
+            self._take_result(group)
+            group.submitted = False
+            trained = max(trained, group.trained(self.topo.num_workers))
+        self.iteration += 1
+        return trained
 
     def _take_result(self, group: Group) -> None:
         """Swap groups: the result buffer becomes the gradient buffer; re-point the views."""
@@ -444,6 +478,12 @@ class GradientEngine:
         self.finish_iteration()
         if changed:
             self._adopt_trainable()
+
+    def _finish_before_join(self) -> None:
+        """join(): push what a backward left without its step (a round of its own); a step with nothing
+        to push does not count here, so a joined worker's shadow rounds keep the others' numbers."""
+        if self.pending_gradients or any(g.submitted for g in self.groups) or self.trainable_changed():
+            self.synchronize()
 
     def _record_backward(self) -> None:
         if self.timeline is not None and self.backward_started is not None:
@@ -703,7 +743,8 @@ class GradientEngine:
             self._learner = None
         if self.replanner is not None:
             self.replanner.profiler.close()
-        runtime.remove_callbacks(self.flush_deferred, self.synchronize, self._take_parameters_of)
+        runtime.remove_callbacks(self.flush_deferred, self._finish_before_join, self._take_parameters_of,
+                                self.shadow_round)
         for group in self.groups:
             group.flat = group.result = group.staging = None
             group.release_buffers()

@@ -45,9 +45,12 @@ class Group:
     tail_keys: int = 0
     urgent: bool = False
     round: int = 0  # the step this submission belongs to (its keys' tags carry it, see wire.key_tag)
+    rescaled: int = -1  # the last round rescaled to the workers that trained (join_divisor="active")
     # Elements [presence_at, presence_at + len(members)) of ``flat``: one flag per member, 1 when this
     # worker has a gradient for it; averaged with the gradients, so nonzero iff any worker had one.
     presence_at: int = 0
+    # The element after the flags: 1 when the pushing worker trains, 0 when it shadows a round while it
+    # waits in join() (``engine.shadow_round``); averaged, it counts the workers that trained.
 
     _buffers: dict = field(default_factory=dict, repr=False)
     _gathers: dict = field(default_factory=dict, repr=False)  # slot -> receive scratch (host aggregation)
@@ -122,6 +125,14 @@ class Group:
         self.flat, self.result = self.result, self.flat
         self.result_pending = False
         return True
+
+    @property
+    def active_at(self) -> int:
+        return self.presence_at + len(self.members)
+
+    def trained(self, num_workers: int) -> int:
+        """After a round: how many workers trained in it (the others shadowed it from join())."""
+        return round(float(self.flat[self.active_at]) * num_workers)
 
     @property
     def nbytes(self) -> int:

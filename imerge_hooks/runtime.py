@@ -20,6 +20,7 @@ from .comm import CommThread
 from .config import PROCESS_OPTIONS, Config
 from .errors import IMergeConfigError, IMergeError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 from .failure import abort, fatal_error, install_excepthooks, record_fatal, set_identity, whoami
+from .placement import check_layout, describe_layout
 from .polling import DeadlineWait
 from .topology import Topology, build_topology
 from .wire import (
@@ -28,6 +29,7 @@ from .wire import (
     TAG_COLLECTIVE,
     TAG_CONTROL,
     TAG_DECISION,
+    TAG_HOST_SHUTDOWN,
     TAG_REPLY,
     TAG_TIMELINE,
     KeySpec,
@@ -56,6 +58,7 @@ class _State:
         self.flush_callbacks: list = []
         self.join_callbacks: list = []  # engines finish their iteration before a join
         self.after_join_callbacks: list = []  # fn(last joiner): engines take its parameters
+        self.shadow_callbacks: list = []  # fn(wait) -> workers that trained: engines shadow a round in join()
         self.timeline = None  # timeline.Timeline when IMERGE_TIMELINE is set
 
 
@@ -104,6 +107,9 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     _state.topology, _state.config = topo, cfg
     set_identity(topo)
     _setup_logging()
+    check_layout(topo, cfg.servers_per_host, cfg.share_gpus)
+    if topo.world_rank == 0 and topo.world_size > 1 and log.isEnabledFor(logging.WARNING):
+        print(describe_layout(topo), file=sys.stderr, flush=True)
     chosen = polling.configure(cfg.polling, topo.ranks_on_node)
     log.debug("IMerge rank %d: polling mode %s (%d ranks on this host, %d usable cores)",
               topo.world_rank, chosen, topo.ranks_on_node, polling.usable_cores())
@@ -291,7 +297,7 @@ def add_flush_callback(fn) -> None:
 
 def remove_callbacks(*fns) -> None:
     """Unregister flush/join callbacks of a retired engine (missing ones are ignored)."""
-    for lst in (_state.flush_callbacks, _state.join_callbacks, _state.after_join_callbacks):
+    for lst in (_state.flush_callbacks, _state.join_callbacks, _state.after_join_callbacks, _state.shadow_callbacks):
         lst[:] = [f for f in lst if f not in fns]
 
 
@@ -416,6 +422,8 @@ def join() -> int:
     if topo.num_servers == 0:
         return topo.worker_rank
     _control_all({"op": "join"})
+    if topo.aggregate_in_host:
+        _shadow_until_all_joined(topo)
     last = _wait_until_all_joined(topo)
     for fn in list(_state.after_join_callbacks):
         fn(last)
@@ -423,6 +431,59 @@ def join() -> int:
 
 
 JOIN_GRACE_S = 2.0  # a collective seen while waiting in join() is another worker's only if no answer follows
+
+
+def _shadow_until_all_joined(topo: Topology) -> None:
+    """Host aggregation: take part in the others' rounds with zeros until one in which no worker trained.
+
+    A joined worker's host still sums each key over all its workers, and the worker owns some of
+    its host's keys, so it shadows every round, engine after engine in the order the others step
+    them (``engine.shadow_round``). The last worker to join shadows one round too: every worker
+    sees it end with nobody training, and all stop at the same round, with nothing left in flight.
+    """
+    # A worker that saw the last round end first may already broadcast the last joiner's parameters
+    # while this one waits for that round's results: a longer grace than the servers' answers need.
+    watch = _StrayCollective(topo, grace_s=5 * JOIN_GRACE_S)
+
+    def wait(group) -> None:
+        limit = DeadlineWait(config().timeout_s)
+        while not group.done.wait(0.02):
+            _state.comm_thread.raise_if_failed()
+            watch.check()
+            if limit.expired():
+                raise record_fatal(IMergeTimeoutError(
+                    f"{whoami()}: waited {limit.limit_s:.0f} s in join() for the next step of the workers that "
+                    "still train: every worker must call imerge_hooks.join() when its data ends"))
+        _state.comm_thread.raise_if_failed()
+
+    while True:
+        counts = [shadow(wait) for shadow in list(_state.shadow_callbacks)]
+        if not counts or any(c == 0 for c in counts if c is not None) or all(c is None for c in counts):
+            return
+
+
+class _StrayCollective:
+    """Raises when another worker starts a collective while this one waits in join() (module doc of
+    ``_wait_until_all_joined``)."""
+
+    def __init__(self, topo: Topology, grace_s: float = JOIN_GRACE_S) -> None:
+        self.topo = topo
+        self.grace_s = grace_s
+        self.since: float | None = None
+
+    def check(self, applies: bool = True) -> None:
+        """``applies``: whether a collective message now means a stray one (see the callers)."""
+        stray = _collective_sender(self.topo.worker_comm)
+        now = time.monotonic()
+        if stray is None or not applies:
+            return
+        self.since = self.since or now
+        if now - self.since > self.grace_s:
+            raise record_fatal(IMergeUsageError(
+                f"{whoami()} waits in join() (out of data) while worker {stray} started a collective step "
+                "that needs every worker (a plan change at the end of profile_steps, a broadcast, "
+                "calibration): workers must not change plans or run collectives while another has joined; make "
+                "profile_steps smaller than the shortest worker's number of steps"))
 
 
 def _wait_until_all_joined(topo: Topology) -> int:
@@ -435,7 +496,7 @@ def _wait_until_all_joined(topo: Topology) -> int:
     """
     wait = DeadlineWait(config().timeout_s)
     waiting, last = list(range(topo.num_servers)), -1
-    stray_since: float | None = None
+    watch = _StrayCollective(topo)
     while waiting:
         for server in list(waiting):
             message = topo.data_comm.improbe(source=topo.server_world_rank(server), tag=TAG_REPLY)
@@ -446,16 +507,8 @@ def _wait_until_all_joined(topo: Topology) -> int:
                 last = reply.get("last", last)
                 waiting.remove(server)
                 wait.reset()
-        stray = _collective_sender(topo.worker_comm)
+        watch.check(applies=len(waiting) == topo.num_servers)
         now = time.monotonic()
-        if stray is not None and len(waiting) == topo.num_servers:
-            stray_since = stray_since or now
-            if now - stray_since > JOIN_GRACE_S:
-                raise record_fatal(IMergeUsageError(
-                    f"{whoami()} waits in join() (out of data) while worker {stray} started a collective step "
-                    "that needs every worker (a plan change at the end of profile_steps, a broadcast, "
-                    "calibration): workers must not change plans or run collectives while another has joined; make "
-                    "profile_steps smaller than the shortest worker's number of steps"))
         if wait.expired(now):
             raise record_fatal(IMergeTimeoutError(
                 f"{whoami()}: waited {wait.limit_s:.0f} s in join() for server(s) {waiting} to report that "
@@ -602,6 +655,11 @@ def _release_servers() -> None:
     """Stop the comm thread, tell the servers this worker is done, write the timeline."""
     if _state.comm_thread is not None:
         _state.comm_thread.stop()
+    topo = topology()
+    if topo.host_comm is not None:  # host aggregation: a local worker waiting for this one stops at once
+        for mate in range(topo.host_comm.Get_size()):
+            if mate != topo.local_rank:
+                topo.host_comm.send(None, dest=mate, tag=TAG_HOST_SHUTDOWN)
     _control_all({"op": "shutdown"})
     if _state.timeline is not None:
         _write_timeline()

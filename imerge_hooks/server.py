@@ -280,7 +280,7 @@ class Server:
     def _missing(self, state: _KeyState) -> str:
         """``worker(s) [1] on host(s) ['b']``: who a key's open round still waits for (with host
         aggregation, the worker that pushes for a host: it waits for its host's workers in turn)."""
-        missing = sorted(set(state.agg.pushers) - state.agg.arrived - self.joined)
+        missing = sorted(set(state.agg.pushers) - state.agg.arrived - self.silent)
         hosts = sorted({self.topo.hosts[r] for r in missing}) if self.topo.hosts else []
         text = f"worker(s) {missing}" + (f" on host(s) {hosts}" if hosts else "")
         if self.topo.aggregate_in_host:
@@ -421,7 +421,7 @@ class Server:
         state.agg.add(done.source, done.first)
         self.pushes += 1
         self.bytes_in += done.nbytes
-        if state.agg.complete(self.joined):
+        if state.agg.complete(self.silent):
             self._complete(state)
         if state.held:
             self._accept(state, *state.held.popleft())
@@ -458,11 +458,17 @@ class Server:
         else:
             self._send_result(state, dests, round_number)
 
+    @property
+    def silent(self) -> set[int]:
+        """Joined workers, whose pushes count as zeros. With host aggregation none: a joined worker
+        keeps pushing zeros in the rounds of the others (``engine.shadow_round``), its host needs it."""
+        return set() if self.topo.aggregate_in_host else self.joined
+
     def _on_join(self, source: int) -> None:
         self.joined.add(source)
         self.last_joined = source
         for state in self.keys.values():
-            if state.agg.complete(self.joined):
+            if state.agg.complete(self.silent):
                 self._complete(state)
         if len(self.joined) == self.workers:
             for worker in range(self.workers):

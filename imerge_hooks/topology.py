@@ -38,6 +38,7 @@ class Topology:
     # and their communicator (MPI_COMM_NULL on servers and where every host holds one worker).
     host_comm: MPI.Comm | None = None
     aggregate_in_host: bool = False
+    gpus: tuple[int, ...] = field(default=())  # CUDA devices each world rank sees
 
     @property
     def host(self) -> str:
@@ -149,10 +150,11 @@ def build_topology(num_servers: int, timeout_s: float = 600.0, aggregate_in_host
             f"(e.g. `mpiexec -n {workers + 1} -env IMERGE_NUM_SERVERS 1 python train.py` with MPICH, "
             f"`mpirun -np {workers + 1} -x IMERGE_NUM_SERVERS=1 ...` with Open MPI) or pass "
             "num_servers to imerge_hooks.init().")
-    ranks = collective(world, "allgather", (machine_identity(), host_name()), "the ranks' machines and hosts",
-                       timeout_s=timeout_s, ranks="world rank")
-    machines = [machine for machine, _ in ranks]
-    hosts = tuple(host for _, host in ranks)
+    ranks = collective(world, "allgather", (machine_identity(), host_name(), visible_gpus()),
+                       "the ranks' machines and hosts", timeout_s=timeout_s, ranks="world rank")
+    machines = [machine for machine, _, _ in ranks]
+    hosts = tuple(host for _, host, _ in ranks)
+    gpus = tuple(count for _, _, count in ranks)
     data_comm = world.Dup()
     data_comm.Set_name("imerge-data")
     is_server = rank >= workers
@@ -175,7 +177,7 @@ def build_topology(num_servers: int, timeout_s: float = 600.0, aggregate_in_host
     ranks_on_node = max(everyone_here.Get_size(), machines.count(machines[rank]))
     everyone_here.Free()
     return Topology(rank, size, num_servers, data_comm, worker_comm, local_rank, local_size, ranks_on_node, hosts,
-                    host_comm, aggregate)
+                    host_comm, aggregate, gpus)
 
 
 def host_name() -> str:
@@ -187,6 +189,13 @@ def host_name() -> str:
     """
     override = os.environ.get("IMERGE_HOST", "").strip()
     return override or socket.gethostname()
+
+
+def visible_gpus() -> int:
+    """CUDA devices this rank sees (0 without CUDA); counted without creating a CUDA context."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def machine_identity() -> str:

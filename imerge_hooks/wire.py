@@ -11,6 +11,8 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
   decision such as the fusion plan (``runtime.from_worker0``).
 * ``TAG_COLLECTIVE`` rank -> rank (on the workers' communicator, or COMM_WORLD during ``init``),
   a pickled value of a collective with a deadline (``runtime.collective``).
+* ``TAG_HOST_SHUTDOWN`` worker -> the other workers of its host (host aggregation, on the host's
+  communicator): this worker shut down; a local worker still waiting for its gradients stops at once.
 * ``key_tag(key, round)``: raw bytes of one key, worker -> server (push) and the averaged
   result (sum / W, scaled by the server as it adds) server -> worker (pull). The tag carries
   the round (the worker's step number) modulo ``ROUND_TAGS``: the server refuses a push
@@ -18,6 +20,8 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
   completed one (a worker that skipped or repeated a step is named at once). The worker
   posts the ``Irecv`` for the result before the ``Isend`` of the push. One outstanding push
   per (worker, key); MPI's non-overtaking rule keeps successive iterations of a key apart.
+  With host aggregation the same tags carry a key between the workers of a host, on the host's
+  communicator: a worker's gradient to the key's owner there, and the result back.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ TAG_ERROR = 3
 TAG_TIMELINE = 4
 TAG_DECISION = 5
 TAG_COLLECTIVE = 6
+TAG_HOST_SHUTDOWN = 7
 KEY_TAG_BASE = 16
 
 SUPPORTED_DTYPES = {

@@ -7,6 +7,7 @@ Servers stand one on each host (colocated, the layout most users have).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps"
 TOL = 1e-5
 ENV = {"IMERGE_PROFILE_STEPS": "3", "IMERGE_FUSION_THRESHOLD_BYTES": "4000", "IMERGE_TIMEOUT_S": "120",
        "IMERGE_PARTITION_BYTES": "2000"}
+CACHE = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -34,9 +36,7 @@ def test_every_schedule_matches_full_batch_on_two_hosts(tmp_path, front):
                     "ddp-hook": ("train_ddp_hook.py", ["--hook"])}[front]
     schedules = SCHEDULES if front == "optimizer" else SCHEDULES[:-1]  # a DDP hook cannot overlap the forward
     run = run_mpi(SCRIPTS / script, 6, str(out), "--schedule", ",".join(schedules), "--steps", "6", *args,
-                  servers=2, hosts=HOSTS, timeout=240,
-                  env={**ENV, "IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
-                  ).check()
+                  servers=2, hosts=HOSTS, timeout=240, env={**ENV, **CACHE}).check()
     assert [run.lines(r, "AGGREGATE")[0] for r in range(4)] == ["True h0", "True h0", "True h1", "True h1"]
     for schedule in schedules:
         got = torch.load(str(out).format(schedule=schedule))
@@ -48,11 +48,10 @@ def test_lightning_every_schedule_matches_full_batch_on_two_hosts(tmp_path):
     manual optimization with ``imerge`` (zoo models, ``scripts/zoo_lightning.py``)."""
     import zoo_models
 
-    cache = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
     run = run_mpi(SCRIPTS / "zoo_lightning.py", 6, str(tmp_path), "--runs", "transformer-auto", "--schedules",
-                  ",".join(SCHEDULES), servers=2, hosts=HOSTS, timeout=300, env={**ENV, **cache})
+                  ",".join(SCHEDULES), servers=2, hosts=HOSTS, timeout=300, env={**ENV, **CACHE})
     manual = run_mpi(SCRIPTS / "zoo_lightning.py", 6, str(tmp_path), "--runs", "gpt-manual", "--schedules",
-                     "imerge", servers=2, hosts=HOSTS, timeout=200, env={**ENV, **cache})
+                     "imerge", servers=2, hosts=HOSTS, timeout=200, env={**ENV, **CACHE})
     names = [(f"transformer-auto-{s}", "transformer", "adam") for s in SCHEDULES]
     for name, model, optimizer in names + [("gpt-manual-imerge", "gpt", "sgd")]:
         path = tmp_path / f"{name}.pt"
@@ -60,3 +59,36 @@ def test_lightning_every_schedule_matches_full_batch_on_two_hosts(tmp_path):
             f"\n{manual.stderr[-3000:]}\n{''.join(p.read_text() for p in tmp_path.glob(name + '.err.*'))[-3000:]}"
         ref = zoo_models.reference_train(model, optimizer)
         assert max_diff(torch.load(path), ref) <= TOL, name
+
+
+def test_join_with_uneven_data_on_two_hosts(tmp_path):
+    """Workers run out of data at different steps; joined ones shadow their hosts' rounds with zeros."""
+    from test_uneven import SCRIPT as UNEVEN
+    from test_uneven import reference
+
+    counts = [5, 3, 4, 2]
+    out = tmp_path / "final-{rank}.pt"
+    run = run_mpi(UNEVEN, 6, str(out), "imerge", *map(str, counts), servers=2, hosts=HOSTS, timeout=150,
+                  env={"IMERGE_JOIN_DIVISOR": "active", "IMERGE_PLAN_SEARCH": "0", "IMERGE_PROFILE_STEPS": "100"}
+                  ).check()
+    ref = reference(counts, "active")
+    for rank in range(4):
+        got = torch.load(str(out).format(rank=rank))
+        assert max((got[k] - ref[k]).abs().max().item() for k in ref) <= 1e-5, rank
+    assert all("last to join: 0" in run.ranks[r] for r in range(4))
+
+
+def test_a_worker_stopped_during_its_hosts_reduction_is_named_with_its_host():
+    """Worker 1 (host h0) stops at step 3: worker 0, which sums some keys of h0, names it and its host
+    before the server's stall clock would blame worker 0, and the job ends."""
+    import time
+
+    start = time.monotonic()
+    run = run_mpi(SCRIPTS / "kill_rank.py", 6, "1", "3", "stop", servers=2, hosts=HOSTS, timeout=90,
+                  env={"IMERGE_TIMEOUT_S": "10"})
+    assert run.returncode != 0
+    assert "finished without noticing" not in run.stdout
+    output = run.stdout + run.stderr
+    assert re.search(r"IMerge worker 0 \(host h0\): no gradient of key \d+ .* from worker 1 \(host h0\)", output), \
+        output[-4000:]
+    assert time.monotonic() - start < 60

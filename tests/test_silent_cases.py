@@ -1,5 +1,6 @@
 """What used to give wrong parameters silently (exit code 0) trains as torch does, or fails naming the cause."""
 
+import re
 import time
 from pathlib import Path
 
@@ -69,5 +70,7 @@ def test_worker_that_skips_a_backward_is_named_at_once():
     elapsed = time.monotonic() - start
     assert run.returncode != 0
     assert "finished without noticing" not in run.stdout
-    assert "worker 1 pushed" in run.stderr and "out of step" in run.stderr, run.stderr[-3000:]
+    # Named by the server (each worker pushes) or, with host aggregation (one host here), by a worker of its host.
+    assert re.search(r"worker 1 pushed|worker 1 \(host [^)]*\)", run.stderr) and "out of step" in run.stderr, \
+        run.stderr[-3000:]
     assert elapsed < 40, elapsed
