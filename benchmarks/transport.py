@@ -145,7 +145,7 @@ class EngineCase:
         self.param = torch.nn.Parameter(torch.zeros(nbytes // 4, dtype=torch.float32))
         self.engine = GradientEngine([(f"t{nbytes}", self.param)], config)
         group = self.engine.groups[0]
-        expected = nbytes + 4  # + the tensor's presence flag (engine.had_gradient), one float32
+        expected = nbytes + 8  # + the tensor's presence flag (engine.had_gradient) and the training flag, float32
         if len(self.engine.groups) != 1 or len(group.keys) != 1 or group.keys[0].nbytes != expected:
             raise RuntimeError(f"expected one key of {expected} bytes, got {[k.nbytes for k in group.keys]}")
         # .grad is the engine's own buffer view, so the hook does not copy (as after the first step).

@@ -223,3 +223,20 @@ def key_owner(key: int, local_size: int) -> int:
     host's sum and hands the result back. Round-robin over key ids, which are consecutive within a
     group and cut into equal pieces (``cut_keys``), so every local worker owns an equal share."""
     return key % max(1, local_size)
+
+
+def link_bytes(rank_hosts: Sequence[int | str], workers: int, nbytes: float, aggregate: bool) -> list[float]:
+    """Bytes each host link carries each way (host order of first appearance) when every worker pushes
+    ``nbytes`` spread evenly over the servers and gets the result back. ``rank_hosts``: the host of
+    every rank, the first ``workers`` of them workers, the rest servers. A host pushes ``nbytes`` per
+    pusher (one with ``aggregate``, host aggregation; each worker without) except its own servers'
+    share, and its servers take every other host's pushes of their share; results mirror pushes."""
+    hosts = list(dict.fromkeys(rank_hosts))
+    servers = list(rank_hosts[workers:])
+    pushers: dict = {}
+    for h in rank_hosts[:workers]:
+        pushers[h] = 1 if aggregate else pushers.get(h, 0) + 1
+    total = sum(pushers.values())
+    count = max(1, len(servers))
+    return [nbytes * (pushers.get(h, 0) * (count - servers.count(h)) + servers.count(h) * (total - pushers.get(h, 0)))
+            / count for h in hosts]

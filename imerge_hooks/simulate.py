@@ -80,6 +80,7 @@ communication pending); with ``iterations=1`` it is that single iteration.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -88,7 +89,7 @@ import math
 import numbers
 import os
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,7 +103,7 @@ from .config import (
     SCHEDULES,
     TAIL_CREDIT_BYTES,
 )
-from .layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
+from .layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys, key_owner, link_bytes
 from .plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from .plan.planner import Plan, plan
 from .plan.search import candidate_plans, searched_plan
@@ -231,6 +232,10 @@ class ClusterSpec:
     share_period_s: float = 1.0
     share_seed: int = 0
     worker_message_s: float = 0.0
+    hosts: tuple[int, ...] | None = None
+    host_aggregation: bool = True
+    local_Bps: float = 2e9
+    reduce_Bps: float = 2e9
 
     def __post_init__(self) -> None:
         for what in ("workers", "servers"):
@@ -250,22 +255,61 @@ class ClusterSpec:
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
                               or v <= 0):
             raise ValueError(f"IMerge simulate: ClusterSpec.fabric_Bps must be None or a finite number > 0, got {v!r}")
+        for what in ("local_Bps", "reduce_Bps"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"IMerge simulate: ClusterSpec.{what} must be a finite number > 0, got {v!r}")
+        if self.hosts is not None:
+            hosts = tuple(self.hosts)
+            if len(hosts) != self.workers + self.servers or any(
+                    isinstance(h, bool) or not isinstance(h, numbers.Integral) or h < 0 for h in hosts):
+                raise ValueError(f"IMerge simulate: ClusterSpec.hosts must give a host index >= 0 to each of the "
+                                 f"{self.workers + self.servers} ranks (workers, then servers), got {self.hosts!r}")
+            object.__setattr__(self, "hosts", tuple(int(h) for h in hosts))
+
+    @property
+    def rank_hosts(self) -> tuple[int, ...]:
+        """The host of every rank (workers, then servers): ``hosts``, or one host per rank."""
+        return self.hosts if self.hosts is not None else tuple(range(self.workers + self.servers))
+
+    @property
+    def aggregates(self) -> bool:
+        """Whether the workers of a host sum each key before one of them pushes it (as the runtime)."""
+        hosts = self.rank_hosts[:self.workers]
+        return self.host_aggregation and len(set(hosts)) < len(hosts)
+
+    def busiest_link_share(self) -> float:
+        """Bytes on the busiest host link, each way, when every worker pushes m bytes spread evenly over
+        the servers, per byte of m (``layout.link_bytes``): what the calibration's transfers are bound by."""
+        return max(link_bytes(self.rank_hosts, self.workers, 1.0, self.aggregates))
 
     @classmethod
     def from_psmodel(cls, model: PSModel, time_scale: float = 1.0, workers: int | None = None,
-                     servers: int | None = None) -> ClusterSpec:
+                     servers: int | None = None, hosts: Sequence[int] | None = None,
+                     host_aggregation: bool = True) -> ClusterSpec:
         """The cluster whose :func:`calibrate_model` gives ``model``'s fit (``a``, ``bandwidth``);
         ``workers``/``servers``: the same links and startup for another job size (default: the model's).
 
         In the simulator the calibration pattern costs ``T(m) = W*startup + 2*max(W/S, 1)*m/B``
         (W serial startups; push then result, each limited by the busier side), so
         ``startup_s = a / W`` and ``bandwidth_Bps = 2 * bandwidth * max(1, S/W)``. For a table
-        measured on a real cluster this is the simulator's best reading of it.
+        measured on a real cluster this is the simulator's best reading of it. ``hosts`` (a host index
+        per rank): the model was measured on that layout, where the busiest host link carries
+        ``busiest_link_share`` of each worker's bytes rather than ``max(W/S, 1)``; the link rate is
+        read accordingly.
         """
         w = model.workers if workers is None else workers
         s = model.servers if servers is None else servers
-        return cls(workers=w, servers=s, bandwidth_Bps=2.0 * model.bandwidth * max(1.0, s / w),
+        flat = cls(workers=w, servers=s, bandwidth_Bps=2.0 * model.bandwidth * max(1.0, s / w),
                    startup_s=model.a / w, time_scale=time_scale)
+        if hosts is None:
+            return flat
+        placed = dataclasses.replace(flat, hosts=tuple(hosts), host_aggregation=host_aggregation)
+        if placed.busiest_link_share() == 0:  # one host: no link; the flat reading of the model stands
+            return flat
+        pushers = len(set(placed.rank_hosts[:w])) if placed.aggregates else w
+        return dataclasses.replace(placed, bandwidth_Bps=flat.bandwidth_Bps * placed.busiest_link_share()
+                                   / max(w / s, 1.0), startup_s=model.a / pushers)
 
 
 @dataclass(slots=True)
@@ -366,19 +410,22 @@ class SimResult:
 
 # ---------------------------------------------------------------------------------- engine
 _FWD, _BWD, _GATE, _FLUSH, _MARK = range(5)
-_EV_COMPUTE, _EV_NET, _EV_CPU, _EV_SHARE, _EV_POSTED, _EV_HANDLED = range(6)
+_EV_COMPUTE, _EV_NET, _EV_CPU, _EV_SHARE, _EV_POSTED, _EV_HANDLED, _EV_REDUCED = range(7)
 
 
 @dataclass(eq=False, slots=True)
 class _Msg:
-    """A push (worker -> server) or a result (server -> worker) of one key."""
+    """A push (worker -> server) or a result (server -> worker) of one key; with host aggregation also a
+    worker's gradient to its host's owner of the key (``contrib``) and the result back (``fwd``)."""
 
     push: bool
     worker: int
     server: int
     key: int
     nbytes: int
-    links: tuple[int, int]  # (sender's egress link, receiver's ingress link)
+    links: tuple[int, ...]  # (sender's host egress, receiver's host ingress), or (their host's local link,)
+    kind: str = ""  # "" (push or result), "contrib" or "fwd"
+    pair: tuple[int, int] = (0, 0)  # (sender rank, receiver rank): one message at a time per pair
     remaining: float = 0.0
     rate: float = 0.0
     start: float = 0.0
@@ -395,6 +442,7 @@ class _Worker:
     key_order: dict = field(default_factory=dict)  # key -> its shared order (schedule.shared_order)
     submitted: int = 0  # groups submitted so far (the shared order's submission number)
     missing: set = field(default_factory=set)  # groups the current gate still waits for
+    key_meta: dict = field(default_factory=dict)  # owned key -> (priority, urgent) until its host's sum is ready
     wait_start: float = 0.0
     op_start: float = 0.0
 
@@ -404,7 +452,8 @@ _FABRIC_LINKS = (_FABRIC,)
 
 
 class _Sim:
-    """The event loop. Hosts' links: worker r egress r, ingress W+r; server s ingress 2W+s, egress 2W+S+s."""
+    """The event loop. Ranks: worker r is r, server s is W+s; rank x runs on host ``hosts[x]``. Links:
+    host h's egress h, its ingress H+h, and 2H+h for the transfers between its own ranks."""
 
     def __init__(self, *, fwd: Sequence[float], bwd: Sequence[float], layer_names: Sequence[str],
                  layer_tensors: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
@@ -414,8 +463,18 @@ class _Sim:
                  result_window: int | None = None,
                  record: bool = True, fabric: float | None = None, share_cv: float = 0.0,
                  share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
-                 tail_credit: int | None = None, worker_message: float = 0.0) -> None:
+                 tail_credit: int | None = None, worker_message: float = 0.0, hosts: Sequence[int] | None = None,
+                 aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9) -> None:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
+        self.host = list(hosts) if hosts is not None else list(range(workers + servers))
+        self.H = max(self.host) + 1
+        self.local_B, self.reduce_rate = float(local_bandwidth), float(reduce_rate)
+        # Host aggregation: each worker's host mates, and who pushes each key for its host.
+        self.mates = [[m for m in range(workers) if m != r and self.host[m] == self.host[r]] if aggregate else []
+                      for r in range(workers)]
+        self.got: dict[tuple[int, int], int] = {}  # (owner, key) -> its host's gradients in so far
+        self.forwarding: dict[tuple[int, int], int] = {}  # (owner, key) -> results still to hand its host
+        self.key_pushers: dict[int, list[int]] = {}  # key -> the ranks whose push a server has summed
         self.worker_message = float(worker_message)
         self.thread_free = [0.0] * workers  # when each worker's comm thread is next free (worker_message > 0)
         self.fabric = None if fabric is None else float(fabric)
@@ -473,6 +532,7 @@ class _Sim:
         self.starts = [[math.nan] * (iterations + 1) for _ in range(W)]
         self.cpu_free = [0.0] * servers
         self.key_count = [0] * len(key_bytes)
+        self.key_expected = [len({self.owner(k, r) for r in range(workers)}) for k in range(len(key_bytes))]
         self.channels: dict[tuple[int, int], deque[_Msg]] = {}
         self.flows: dict[int, _Msg] = {}  # active flows by id (insertion order: deterministic)
         self.net_t = 0.0
@@ -515,12 +575,27 @@ class _Sim:
                 self._send(payload)
             elif code == _EV_HANDLED:
                 self._result_handled(payload)
+            elif code == _EV_REDUCED:
+                self._reduced(*payload)
             else:
                 self._cpu_done(*payload)
         stuck = [r for r, w in enumerate(self.workers) if w.ptr < len(self.ops)]
         if stuck:  # cannot happen for a valid layout; a clear message beats a silent NaN
             raise RuntimeError(f"IMerge simulate internal: workers {stuck} did not finish "
                                f"(waiting for groups {sorted(self.workers[stuck[0]].missing)})")
+
+    def owner(self, k: int, r: int) -> int:
+        """The worker that pushes key k for worker r's host (r itself without host aggregation)."""
+        mates = self.mates[r]
+        if not mates:
+            return r
+        host = sorted([r] + mates)
+        return host[key_owner(k, len(host))]
+
+    def links(self, src: int, dst: int) -> tuple[int, ...]:
+        """The links a message from rank ``src`` to rank ``dst`` crosses (module doc of _Sim)."""
+        a, b = self.host[src], self.host[dst]
+        return (2 * self.H + a,) if a == b else (a, self.H + b)
 
     def _push_event(self, t: float, code: int, payload: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), code, payload))
@@ -602,8 +677,32 @@ class _Sim:
         for slot in slots:
             k = keys[slot]
             w.key_order[k] = order = shared_order(prio, number, slot)
-            w.ready.add(k, self.key_bytes[k], prio, order, urgent)
+            owner = self.owner(k, r)
+            if owner != r:  # host aggregation: the gradient goes to the key's owner on this host
+                self._send(_Msg(False, r, 0, k, self.key_bytes[k], self.links(r, owner), "contrib", (r, owner)))
+            elif self.mates[r]:
+                w.key_meta[k] = (prio, urgent)
+                self._contribution(r, k)
+            else:
+                w.ready.add(k, self.key_bytes[k], prio, order, urgent)
         self._pump(r)
+
+    def _contribution(self, owner: int, k: int) -> None:
+        """One more of the host's gradients of key k is at its owner (its own counts): once all are, the
+        owner adds them up (``reduce_Bps``) and the sum waits for credit like any push."""
+        n = self.got.get((owner, k), 0) + 1
+        if n <= len(self.mates[owner]):
+            self.got[(owner, k)] = n
+            return
+        del self.got[(owner, k)]
+        self._push_event(self.now + len(self.mates[owner]) * self.key_bytes[k] / self.reduce_rate, _EV_REDUCED,
+                         (owner, k))
+
+    def _reduced(self, owner: int, k: int) -> None:
+        w = self.workers[owner]
+        prio, urgent = w.key_meta.pop(k)
+        w.ready.add(k, self.key_bytes[k], prio, w.key_order[k], urgent)
+        self._pump(owner)
 
     def _pump(self, r: int) -> None:
         w = self.workers[r]
@@ -612,7 +711,7 @@ class _Sim:
             nbytes = self.key_bytes[k]
             windows.started(nbytes, w.key_order[k], self.now)
             s = self.key_server[k]
-            m = _Msg(True, r, s, k, nbytes, (r, 2 * self.W + s))
+            m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + s))
             if self.worker_message > 0.0:
                 self._push_event(self._thread_slot(r), _EV_POSTED, m)
             else:
@@ -627,15 +726,18 @@ class _Sim:
     # ------------------------------------------------------------------ servers
     def _cpu_done(self, s: int, k: int, r: int) -> None:
         self.key_count[k] += 1
-        if self.key_count[k] < self.W:
+        self.key_pushers.setdefault(k, []).append(r)
+        if self.key_count[k] < self.key_expected[k]:
             return
         self.key_count[k] = 0
-        egress = 2 * self.W + self.S + s
         nbytes = self.key_bytes[k]
-        for worker in range(self.W):
-            self._send(_Msg(False, worker, s, k, nbytes, (egress, self.W + worker)))
+        for worker in self.key_pushers.pop(k):
+            self._send(_Msg(False, worker, s, k, nbytes, self.links(self.W + s, worker), "", (self.W + s, worker)))
 
     def _delivered(self, m: _Msg) -> None:
+        if m.kind:
+            self._delivered_in_host(m)
+            return
         if self.record:
             who = f"key {m.key} (group {self.key_group[m.key]})"
             if m.push:
@@ -667,16 +769,44 @@ class _Sim:
         else:
             self._result_handled(m)
 
+    def _delivered_in_host(self, m: _Msg) -> None:
+        """A gradient reached its host's owner of the key, or the owner's result reached a worker."""
+        src, dst = m.pair
+        if self.record:
+            what = "gradient to" if m.kind == "contrib" else "result to"
+            self.timeline.append(Event(self.wtrack[src], f"{what} worker {dst}: key {m.key}", m.start, self.now,
+                                       "push" if m.kind == "contrib" else "pull", m.nbytes))
+        if m.kind == "contrib":
+            self._contribution(dst, m.key)
+            return
+        self._key_done(dst, m.key)
+        left = self.forwarding[(src, m.key)] - 1
+        if left:
+            self.forwarding[(src, m.key)] = left
+        else:
+            del self.forwarding[(src, m.key)]
+            self._key_done(src, m.key)
+
     def _result_handled(self, m: _Msg) -> None:
         """Worker ``m.worker``'s comm thread has handled result ``m``."""
         w = self.workers[m.worker]
         w.windows.resulted(m.nbytes, w.key_order[m.key], self.now)
         self._pump(m.worker)
-        g = self.key_group[m.key]
-        left = self.pending[m.worker][g] - 1
-        self.pending[m.worker][g] = left
+        mates = self.mates[m.worker]
+        if mates:  # the owner hands its host the result; the key is done here when they have it
+            self.forwarding[(m.worker, m.key)] = len(mates)
+            for mate in mates:
+                self._send(_Msg(False, mate, 0, m.key, m.nbytes, self.links(m.worker, mate), "fwd",
+                                (m.worker, mate)))
+            return
+        self._key_done(m.worker, m.key)
+
+    def _key_done(self, r: int, k: int) -> None:
+        g = self.key_group[k]
+        left = self.pending[r][g] - 1
+        self.pending[r][g] = left
         if left == 0:
-            self._group_done(m.worker, g)
+            self._group_done(r, g)
 
     # ------------------------------------------------------------------ network (fluid, max-min fair)
     def _net_advance(self) -> None:
@@ -687,9 +817,9 @@ class _Sim:
         self.net_t = self.now
 
     def _send(self, m: _Msg) -> None:
-        queue = self.channels.get(m.links)
+        queue = self.channels.get(m.pair)
         if queue is None:
-            queue = self.channels[m.links] = deque()
+            queue = self.channels[m.pair] = deque()
         queue.append(m)
         if len(queue) == 1:
             self._start_flow(m)
@@ -717,7 +847,7 @@ class _Sim:
         for f in done:
             del self.flows[f.fid]
         for f in done:
-            queue = self.channels[f.links]
+            queue = self.channels[f.pair]
             queue.popleft()
             if queue:
                 self._start_flow(queue[0])
@@ -785,7 +915,8 @@ class _Sim:
                     members[link] = [f]
                 else:
                     lst.append(f)
-        cap = dict.fromkeys(members, self.B)
+        local = 2 * self.H
+        cap = {link: self.local_B if link >= local else self.B for link in members}
         if self.fabric is not None:
             members[_FABRIC] = list(flows.values())
             cap[_FABRIC] = self.fabric
@@ -839,14 +970,19 @@ def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int
 
 
 def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_bytes: int | None,
-            servers: int) -> tuple[list[list[int]], list[KeyInfo]]:
-    """Keys of every group (``layout.cut_keys``), placed by ``layout.Placement`` as the engine does."""
-    placement = Placement(servers)
+            cluster: ClusterSpec) -> tuple[list[list[int]], list[KeyInfo]]:
+    """Keys of every group (``layout.cut_keys``, at least one per server and, with host aggregation, one
+    per worker of the fullest host), placed by ``layout.Placement`` on the cluster's hosts, as the engine."""
+    hosts = cluster.rank_hosts
+    per_host = Counter(hosts[:cluster.workers])
+    spread = max(cluster.servers, max(per_host.values()) if cluster.aggregates else 1)
+    pushers = {h: 1 if cluster.aggregates else n for h, n in per_host.items()}
+    placement = Placement(cluster.servers, list(hosts[cluster.workers:]), pushers)
     group_keys: list[list[int]] = []
     keys: list[KeyInfo] = []
     for g, members in enumerate(groups):
         ids = []
-        for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes, servers):
+        for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes, spread):
             ids.append(len(keys))
             keys.append(KeyInfo(g, nbytes, placement.place(nbytes)))
         group_keys.append(ids)
@@ -865,7 +1001,8 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
                 fabric=cluster.fabric_Bps, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
                 share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
-                worker_message=cluster.worker_message_s)
+                worker_message=cluster.worker_message_s, hosts=cluster.rank_hosts, aggregate=cluster.aggregates,
+                local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -1012,7 +1149,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             partition_bytes = plan_result.partition_bytes
         if stagger is None and plan_result.stagger is not None:
             stagger = plan_result.stagger
-    group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster.servers)
+    group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster)
     tail = None
     if tail_credit_bytes is not None and traits.tail_credit:
         tail_model = cost_model if cost_model is not None else used_model

@@ -88,6 +88,12 @@ class Topology:
             return list(range(self.num_workers))
         return sorted(mates[key_owner(key, len(mates))] for mates in map(self.workers_on, self.worker_hosts))
 
+    @property
+    def host_indices(self) -> list[int]:
+        """Every world rank's host as an index (order of first appearance): the simulator's ``ClusterSpec.hosts``."""
+        index = {h: i for i, h in enumerate(dict.fromkeys(self.hosts))}
+        return [index[h] for h in self.hosts] if self.hosts else list(range(self.world_size))
+
     def placement(self) -> Placement:
         """A key placement (``layout.Placement``) that knows which hosts the servers and pushers are on."""
         pushers = {h: 1 if self.aggregate_in_host else len(self.workers_on(h)) for h in self.worker_hosts}

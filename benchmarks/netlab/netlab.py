@@ -717,11 +717,13 @@ def default_mpiexec() -> str:
 
 
 def rank_env(
-    i: int, hosts: int, prefix: str = DEFAULT_PREFIX, extra: Mapping[str, str] | None = None
+    i: int, hosts: int, prefix: str = DEFAULT_PREFIX, extra: Mapping[str, str] | None = None,
+    host: int | None = None,
 ) -> dict[str, str]:
-    """Environment for rank ``i``: the MPI-over-veth variables plus
-    ``NETLAB_NETNS``/``NETLAB_HOST``/``NETLAB_ADDR`` for diagnostics."""
-    h = i % hosts
+    """Environment for rank ``i`` on host ``host`` (default ``i % hosts``): the MPI-over-veth
+    variables, ``IMERGE_HOST`` (the namespaces share one kernel and host name, so IMerge is told
+    which emulated host a rank stands for) and ``NETLAB_NETNS``/``NETLAB_HOST``/``NETLAB_ADDR``."""
+    h = i % hosts if host is None else host
     env = dict(MPI_NET_ENV)
     env.update(
         {
@@ -729,6 +731,7 @@ def rank_env(
             "NETLAB_NETNS": host_ns(h, prefix),
             "NETLAB_HOST": str(h),
             "NETLAB_ADDR": host_addr(h),
+            "IMERGE_HOST": host_ns(h, prefix),
         }
     )
     if extra:
@@ -750,9 +753,11 @@ def mpiexec_cmd(
     mpiexec: str | None = None,
     extra_env: Mapping[str, str] | None = None,
     mpiexec_args: Sequence[str] = (),
+    host_of: Sequence[int] | None = None,
 ) -> list[str]:
     """Build an MPMD hydra command line that starts rank ``i`` (running
-    ``rank_cmds[i]``) inside namespace ``<prefix>-h{i % hosts}``::
+    ``rank_cmds[i]``) inside namespace ``<prefix>-h{i % hosts}``, or ``<prefix>-h{host_of[i]}``
+    (several ranks on one host share its link; their traffic to each other stays inside it)::
 
         mpiexec -n 1 ip netns exec imlab-h0 env MPIR_CVAR_CH4_NETMOD=ofi ... cmd0 \\
               : -n 1 ip netns exec imlab-h1 env ... cmd1
@@ -773,7 +778,7 @@ def mpiexec_cmd(
     for i, argv in enumerate(rank_cmds):
         if i:
             cmd.append(":")
-        env = rank_env(i, hosts, prefix, extra_env)
+        env = rank_env(i, hosts, prefix, extra_env, None if host_of is None else host_of[i])
         cmd += ["-n", "1", ip, "netns", "exec", env["NETLAB_NETNS"], envbin]
         cmd += [f"{k}={v}" for k, v in env.items()]
         cmd += [str(a) for a in argv]

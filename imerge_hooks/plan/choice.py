@@ -53,19 +53,24 @@ def model_spec_from_profile(sizes: Sequence[int], ready: Sequence[float], names:
     return ModelSpec(layers=layers, batch_size=1, name="profiled")
 
 
-def cluster_for(model: CostModel, workers: int, servers: int) -> ClusterSpec | None:
-    """The simulated cluster a cost model describes, or None when it describes none."""
+def cluster_for(model: CostModel, workers: int, servers: int, hosts: Sequence[int] | None = None,
+                host_aggregation: bool = True) -> ClusterSpec | None:
+    """The simulated cluster a cost model describes, or None when it describes none. ``hosts``: the host
+    index of every rank (workers, then servers), so plans are scored on the job's real layout."""
     if isinstance(model, PSModel) and model.bandwidth > 0:
-        return ClusterSpec.from_psmodel(model, workers=workers, servers=servers)
+        return ClusterSpec.from_psmodel(model, workers=workers, servers=servers, hosts=hosts,
+                                        host_aggregation=host_aggregation)
     if isinstance(model, LinearModel) and model.beta > 0:
         return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=2.0 / model.beta,
-                           startup_s=model.alpha / workers)
+                           startup_s=model.alpha / workers, hosts=None if hosts is None else tuple(hosts),
+                           host_aggregation=host_aggregation)
     return None
 
 
 def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
                 cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
-                forward_times: Mapping[str, float] | None = None) -> tuple[Plan, list[Candidate]]:
+                forward_times: Mapping[str, float] | None = None, hosts: Sequence[int] | None = None,
+                host_aggregation: bool = True) -> tuple[Plan, list[Candidate]]:
     """The fastest of the candidate plans under the simulator, and every candidate's score.
 
     Tensors are given in ready order (``sizes`` bytes, ``ready`` seconds, ``names``);
@@ -74,7 +79,7 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and a
     ``note`` that says which candidate won and why.
     """
-    cluster = cluster_for(cost_model, workers, servers)
+    cluster = cluster_for(cost_model, workers, servers, hosts, host_aggregation)
     if cluster is None or len(sizes) < 2:
         return plan(sizes, ready, cost_model, "optimal", dtypes=dtypes), []
     spec = model_spec_from_profile(sizes, ready, names, forward_times)
@@ -96,12 +101,13 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
 
 def choose_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
                 cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
-                forward_times: Mapping[str, float] | None = None) -> Plan:
+                forward_times: Mapping[str, float] | None = None, hosts: Sequence[int] | None = None,
+                host_aggregation: bool = True) -> Plan:
     """The plan the engine installs: simulation-scored for the ``optimal`` planner when
     ``cfg.plan_search`` is on, otherwise the schedule's planner method as is."""
     method = cfg.traits.planner
     if method == "optimal" and cfg.plan_search and servers > 0:
-        return search_plan(sizes, ready, names, cost_model, cfg, workers, servers,
-                           dtypes=dtypes, forward_times=forward_times)[0]
+        return search_plan(sizes, ready, names, cost_model, cfg, workers, servers, dtypes=dtypes,
+                           forward_times=forward_times, hosts=hosts, host_aggregation=host_aggregation)[0]
     return plan(sizes, ready, cost_model, method, fusion_threshold_bytes=cfg.fusion_threshold_bytes,
                 dtypes=dtypes)

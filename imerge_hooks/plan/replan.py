@@ -54,7 +54,8 @@ class Replanner:
             dtypes = [self.profile.dtypes[i] for i in order]
             names = [self.profile.names[i] for i in order]
             result = choose_plan(sizes, ready, names, self.model, engine.cfg, topo.num_workers, topo.num_servers,
-                                 dtypes=dtypes, forward_times=self.profile.forward_times)
+                                 dtypes=dtypes, forward_times=self.profile.forward_times,
+                                 hosts=topo.host_indices, host_aggregation=topo.aggregate_in_host)
             tail = self._tail_group([[order[j] for j in group] for group in result.groups])
             decision = (order, result, tail)
         order, result, tail = runtime.from_worker0(decision, f"the {self.method} plan")

@@ -1,13 +1,14 @@
 """Zoo models through ``Trainer(strategy="imerge")``: automatic and manual optimization, one launch.
 
-Usage: python zoo_lightning.py OUT [--runs ID,ID,...] [--schedules S,S,...]
+Usage: python zoo_lightning.py OUT [--runs ID[:SCHEDULE],...] [--schedules S,S,...]
 
 Each run (see zoo_models.LIGHTNING_RUNS) fits a fresh LightningModule around a zoo model for one epoch of the
 model's steps; worker r's loader yields its contiguous shard of each step's full batch (no
 distributed sampler), so the run must match ``zoo_models.reference_train``. The schedule
 comes from IMERGE_SCHEDULE (default ``imerge``); with ``--schedules`` every run fits once per
-schedule, named ``<run>-<schedule>``. Worker 0 writes OUT/<name>.pt (the zoo model's state_dict);
-a worker whose fit raised writes OUT/<name>.err.<rank>.
+schedule, named ``<run>-<schedule>``, and ``ID:SCHEDULE`` fits one run with one schedule, named so
+too. Worker 0 writes OUT/<name>.pt (the zoo model's state_dict); a worker whose fit raised writes
+OUT/<name>.err.<rank>.
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     schedules = args.schedules.split(",") if args.schedules else [None]
-    for run, schedule in ((r, s) for r in args.runs.split(",") for s in schedules):
+    fits = [tuple(r.split(":")) if ":" in r else (r, s) for r in args.runs.split(",")
+            for s in ([None] if ":" in r else schedules)]
+    for run, schedule in fits:
         try:
             fit(run, out, schedule)
             say(WORLD_RANK, "run-ok", run)
