@@ -23,7 +23,10 @@ Per cell and model, one launch of ``worker_replay.py`` runs ``ddp``, ``mpi-allre
 * the CPU seconds per iteration of the ranks that did the work (DDP and mpi-allreduce: the workers;
   IMerge: workers and servers, from the launch's process tree).
 
-Prints the table and writes ``results/clusters.json``.
+Prints the table and writes ``results/clusters.json``. ``--simulate`` adds to every stored row what
+``imerge_hooks.simulate`` predicts for it (the cell's hosts, links at the lab's TCP goodput; the peers
+on ``simulate_allreduce``'s ring, which crosses each host link once each way as the ordered ranks do)
+and the error against the measurement (``--simulate --no-measure`` on a stored JSON: no root).
 """
 
 from __future__ import annotations
@@ -129,10 +132,11 @@ def window_cpu(cpu: CpuMonitor, start: float, end: float) -> float | None:
     return (c1 - c0) * (end - start) / (w1 - w0) if w1 > w0 else None
 
 
-def launch(cell_id: str, model: str, args, aggregate: bool) -> list[dict]:
-    """One mpiexec over the lab: every schedule of ``args.schedules`` for one cell and model."""
+def launch(cell_id: str, model: str, args, aggregate: bool, timeline: str | None = None) -> list[dict]:
+    """One mpiexec over the lab: every schedule of ``args.schedules`` for one cell and model (``timeline``:
+    ``imerge`` alone, traced to that file, and the report of where its iterations go printed)."""
     cell = CELLS[cell_id]
-    schedules = args.schedules if aggregate else ["imerge"]
+    schedules = args.schedules if aggregate and timeline is None else ["imerge"]
     argv = [sys.executable, str(WORKER), "--model", model, "--schedules", ",".join(schedules),
             "--time-scale", repr(args.time_scale[model]), "--iters", str(args.iters), "--warmup", "1",
             "--profile-steps", "2"]
@@ -140,10 +144,12 @@ def launch(cell_id: str, model: str, args, aggregate: bool) -> list[dict]:
            "IMERGE_COST_MODEL_PATH": str(RESULTS / "cache" / "psmodel-{workers}w-{servers}s-{hosts}.json"),
            "IMERGE_TIMEOUT_S": "600", "PYTHONPATH": str(REPO), "MASTER_ADDR": nl.host_addr(0),
            "GLOO_SOCKET_IFNAME": nl.IFACE, "IMERGE_HOST_AGGREGATION": "1" if aggregate else "0"}
+    if timeline is not None:
+        env["IMERGE_TIMELINE"] = timeline
     host_of = cell.host_of
     cmd = nl.mpiexec_cmd([argv] * len(host_of), hosts=cell.hosts, prefix=args.prefix, extra_env=env,
                          host_of=host_of)
-    tag = f"{cell_id}-{model}" + ("" if aggregate else "-noagg")
+    tag = f"{cell_id}-{model}" + ("" if aggregate else "-noagg") + ("" if timeline is None else "-timeline")
     logs = RESULTS / "logs" / "clusters"
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"{tag}.cmd").write_text(shlex.join(cmd) + "\n")
@@ -171,6 +177,11 @@ def launch(cell_id: str, model: str, args, aggregate: bool) -> list[dict]:
     monitor.stop()
     if rc != 0:
         print(f"   !! {tag}: exit code {rc}; see {logs / f'{tag}.stderr'}", file=sys.stderr)
+    if timeline is not None:
+        from benchmarks.timeline_report import format_report, report
+
+        print(format_report(report(timeline)))
+        return []
     facts = model_facts(model, args.time_scale[model])
     rate = nl.parse_rate(args.bandwidth) / 8 * nl.goodput(args.mtu)
     b = bounds(cell, facts, rate, aggregate)
@@ -195,11 +206,32 @@ def launch(cell_id: str, model: str, args, aggregate: bool) -> list[dict]:
     return rows
 
 
+SIM_STARTUP_S = 200e-6  # the servers' per-push work (run.py's fallback when no model is calibrated)
+
+
+def simulate_row(row: dict) -> float:
+    """Seconds per iteration that the simulator predicts for one measured row."""
+    from benchmarks.run import PROFILES
+    from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
+    from imerge_hooks.simulate_allreduce import simulate_allreduce
+
+    cell = CELLS[row["cell"]]
+    spec = ModelSpec.from_profile_json(PROFILES / f"{row['model']}-cpu.json")
+    rate = nl.parse_rate(row["bandwidth"]) / 8 * nl.goodput(row["mtu"])
+    cluster = ClusterSpec(workers=len(cell.workers), servers=len(cell.servers), bandwidth_Bps=rate,
+                          startup_s=SIM_STARTUP_S, time_scale=row["time_scale"], hosts=tuple(cell.host_of),
+                          host_aggregation=bool(row["host_aggregation"]))
+    if row["schedule"] != "imerge":
+        return simulate_allreduce(spec, cluster, row["schedule"]).iteration_s
+    return simulate(spec, cluster, "imerge", timeline=False).iteration_s
+
+
 def table(rows: list[dict]) -> str:
     """One line per (cell, model): each schedule's s/iter (efficiency), IMerge's ratio to DDP, the
     busiest link's MB per iteration and the CPU seconds per iteration."""
     out = ["| cell | model | DDP | mpi-allreduce | IMerge | IMerge vs DDP | hierarchical bound | busiest link "
-           "MB/iter (IMerge, DDP) | CPU s/iter (IMerge, DDP) |", "|---|---|---|---|---|---|---|---|---|"]
+           "MB/iter (IMerge, DDP) | CPU s/iter (IMerge, DDP) | simulated IMerge, DDP (error) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     cells: dict = {}
     for r in rows:
         name = r["schedule"] + ("" if r["host_aggregation"] in (None, True) else " (no host aggregation)")
@@ -208,6 +240,12 @@ def table(rows: list[dict]) -> str:
         def cell_text(name: str, row: dict = row) -> str:
             r = row.get(name)
             return "-" if r is None else f"{r['iteration_s']:.2f} s ({100 * r['efficiency']:.0f}%)"
+
+        def simulated(name: str, row: dict = row) -> str:
+            r = row.get(name)
+            if r is None or r.get("simulated_s") is None:
+                return "-"
+            return f"{r['simulated_s']:.2f} s ({100 * (r['simulated_s'] / r['iteration_s'] - 1):+.0f}%)"
 
         def busiest(name: str, row: dict = row) -> str:
             r = row.get(name)
@@ -220,11 +258,13 @@ def table(rows: list[dict]) -> str:
         hier = next(iter(row.values()))["bounds"]["hierarchical_s"]
         cpu = (f"{imerge['cpu_s_per_iter']:.2f}, {ddp['cpu_s_per_iter']:.2f}" if imerge and ddp else "-")
         text = f"| ({cell}) {CELLS[cell].title} | {model} | {cell_text('ddp')} | {cell_text('mpi-allreduce')} | "
-        text += f"{cell_text('imerge')} | {ratio} | {hier:.2f} s | {busiest('imerge')}, {busiest('ddp')} | {cpu} |"
+        text += f"{cell_text('imerge')} | {ratio} | {hier:.2f} s | {busiest('imerge')}, {busiest('ddp')} | {cpu} | "
+        text += f"{simulated('imerge')}, {simulated('ddp')} |"
         out.append(text)
         if "imerge (no host aggregation)" in row:
-            out.append(f"| | | | | without host aggregation: {cell_text('imerge (no host aggregation)')} | | | "
-                       f"{busiest('imerge (no host aggregation)')} | |")
+            name = "imerge (no host aggregation)"
+            out.append(f"| | | | | without host aggregation: {cell_text(name)} | | | {busiest(name)} | | "
+                       f"{simulated(name)} |")
     return "\n".join(out)
 
 
@@ -243,16 +283,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default="imclu")
     ap.add_argument("--out", default=str(RESULTS / "clusters.json"))
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--timeline", default=None, metavar="CELL:MODEL",
+                    help="trace imerge on one cell, print where its iterations go (results/timeline-clusters-*)")
+    ap.add_argument("--simulate", action="store_true", help="add the simulator's prediction to every stored row")
+    ap.add_argument("--no-measure", action="store_true", help="launch nothing: the stored JSON's table (no root)")
     args = ap.parse_args(argv)
     args.schedules = args.schedules.split(",")
     args.time_scale = {k: float(v) for k, v in (p.split("=") for p in args.time_scale.split(","))}
     rows: list[dict] = []
     out = Path(args.out)
+    commands: list[str] = []
     if out.exists() and not args.dry_run:
-        rows = [r for r in json.loads(out.read_text())["rows"]]
+        stored = json.loads(out.read_text())
+        rows, commands = stored["rows"], stored.get("commands", [])
+    commands.append(" ".join(["benchmarks/clusters.py", *(argv if argv is not None else sys.argv[1:])]))
     started = time.monotonic()
+    if args.no_measure or args.timeline:
+        args.models = ""
+    if args.timeline:
+        cell_id, model = args.timeline.split(":")
+        launch(cell_id, model, args, True, str(RESULTS / f"timeline-clusters-{cell_id}-{model}.json"))
     try:
-        for model in args.models.split(","):
+        for model in filter(None, args.models.split(",")):
             for cell_id in args.cells.split(","):
                 runs = [True] + ([False] if args.ab and len(set(CELLS[cell_id].workers)) < len(CELLS[cell_id].workers)
                                  else [])
@@ -262,10 +314,14 @@ def main(argv: list[str] | None = None) -> int:
                     rows = [r for r in rows if (r["cell"], r["model"], r["schedule"], r["host_aggregation"])
                             not in keys] + new
                     if not args.dry_run:
-                        out.write_text(json.dumps({"rows": rows, "command": " ".join(sys.argv)}, indent=1))
+                        out.write_text(json.dumps({"rows": rows, "commands": commands}, indent=1))
     finally:
-        if not args.dry_run:
+        if not args.dry_run and (not args.no_measure or args.timeline):
             nl.down(args.prefix)
+    if args.simulate:
+        for r in rows:
+            r["simulated_s"] = simulate_row(r)
+        out.write_text(json.dumps({"rows": rows, "commands": commands}, indent=1))
     print(table(rows))
     print(f"({time.monotonic() - started:.0f} s)", file=sys.stderr)
     return 0
