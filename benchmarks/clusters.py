@@ -49,6 +49,7 @@ from benchmarks.netlab import netlab as nl  # noqa: E402
 from benchmarks.netlab.cpumon import CpuMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import LinkMonitor  # noqa: E402
 from benchmarks.run import load_profile, tagged_json  # noqa: E402
+from imerge_hooks.layout import link_bytes  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "worker_replay.py"
 RESULTS = REPO / "benchmarks" / "results"
@@ -81,25 +82,11 @@ CELLS = {
 }
 
 
-def ps_link_bytes(cell: Cell, model_bytes: float, aggregate: bool) -> list[float]:
-    """Bytes each host link carries per iteration, each way, under a PS with keys spread evenly over
-    the servers: a host pushes M per pusher (one with host aggregation, each worker without) except
-    what goes to its own servers, and its servers take every other host's pushes of their share."""
-    servers = len(cell.servers)
-    pushers = [0] * cell.hosts
-    for h in cell.workers:
-        pushers[h] = 1 if aggregate else pushers[h] + 1
-    own = [cell.servers.count(h) for h in range(cell.hosts)]
-    total = sum(pushers)
-    return [model_bytes * (pushers[h] * (servers - own[h]) + own[h] * (total - pushers[h])) / servers
-            for h in range(cell.hosts)]
-
-
 def bounds(cell: Cell, facts: dict, rate_Bps: float, aggregate: bool) -> dict:
     """Each schedule's own bound (module doc), seconds per iteration."""
     m, w = facts["bytes"], len(cell.workers)
     worker_hosts = len(set(cell.workers))
-    ps = max(ps_link_bytes(cell, m, aggregate))
+    ps = max(link_bytes(cell.host_of, w, m, aggregate))
     ring = 2 * (w - 1) / w * m
     hier = 2 * (worker_hosts - 1) / worker_hosts * m
     c = facts["compute_s"]

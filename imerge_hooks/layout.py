@@ -156,8 +156,9 @@ class Placement:
         self.pushers = dict(pushers or {})
         self.link: dict[str, int] = {}  # host -> bytes on its link (each direction) so far
 
-    def _link_cost(self, server: int, nbytes: int) -> tuple[int, int]:
-        """(the busiest link after placing ``nbytes`` on ``server``, that server's host link after)."""
+    def _links_after(self, server: int, nbytes: int) -> dict[str, int]:
+        """Every host link's bytes if ``nbytes`` went to ``server``: each other host's pushers send it
+        there, and the server's host takes all of it in (results mirror pushes)."""
         where = self.server_hosts[server]
         after = dict(self.link)
         inbound = 0
@@ -166,7 +167,7 @@ class Placement:
                 after[host] = after.get(host, 0) + count * nbytes
                 inbound += count * nbytes
         after[where] = after.get(where, 0) + inbound
-        return max(after.values(), default=0), after[where]
+        return after
 
     def place(self, nbytes: int) -> int:
         order = [s % self.num_servers for s in range(self.next, self.next + self.num_servers)]
@@ -174,14 +175,10 @@ class Placement:
             least = min(self.load)
             server = next(s for s in order if self.load[s] == least)
         else:
-            server = min(order, key=lambda s: (self._link_cost(s, nbytes), self.load[s]))
-            where = self.server_hosts[server]
-            inbound = 0
-            for host, count in self.pushers.items():
-                if host != where:
-                    self.link[host] = self.link.get(host, 0) + count * nbytes
-                    inbound += count * nbytes
-            self.link[where] = self.link.get(where, 0) + inbound
+            options = {s: self._links_after(s, nbytes) for s in order}
+            server = min(order, key=lambda s: (max(options[s].values()), options[s][self.server_hosts[s]],
+                                               self.load[s]))
+            self.link = options[server]
         self.next = (server + 1) % self.num_servers
         self.load[server] += nbytes
         return server

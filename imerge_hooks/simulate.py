@@ -472,6 +472,7 @@ class _Sim:
         # Host aggregation: each worker's host mates, and who pushes each key for its host.
         self.mates = [[m for m in range(workers) if m != r and self.host[m] == self.host[r]] if aggregate else []
                       for r in range(workers)]
+        self.host_workers = [sorted([r] + mates) for r, mates in enumerate(self.mates)]  # owner() looks up keys
         self.got: dict[tuple[int, int], int] = {}  # (owner, key) -> its host's gradients in so far
         self.forwarding: dict[tuple[int, int], int] = {}  # (owner, key) -> results still to hand its host
         self.key_pushers: dict[int, list[int]] = {}  # key -> the ranks whose push a server has summed
@@ -586,10 +587,9 @@ class _Sim:
 
     def owner(self, k: int, r: int) -> int:
         """The worker that pushes key k for worker r's host (r itself without host aggregation)."""
-        mates = self.mates[r]
-        if not mates:
+        if not self.mates[r]:
             return r
-        host = sorted([r] + mates)
+        host = self.host_workers[r]
         return host[key_owner(k, len(host))]
 
     def links(self, src: int, dst: int) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from dataclasses import dataclass, field
@@ -56,9 +57,17 @@ class Topology:
         hosts = self.worker_hosts
         return hosts.index(self.host) if self.host in hosts else 0
 
+    @functools.cached_property
+    def _workers_by_host(self) -> dict[str, list[int]]:
+        by_host: dict[str, list[int]] = {}
+        for rank in range(self.num_workers):
+            by_host.setdefault(self.hosts[rank], []).append(rank)
+        return by_host
+
     def workers_on(self, host: str) -> list[int]:
-        """World ranks of the workers on ``host``, in local-rank order."""
-        return [r for r in range(self.num_workers) if self.hosts[r] == host]
+        """World ranks of the workers on ``host``, in local-rank order (computed once per topology: the
+        servers ask for every key's pushers)."""
+        return list(self._workers_by_host.get(host, []))
 
     @property
     def host_workers(self) -> list[int]:
