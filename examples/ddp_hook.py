@@ -29,25 +29,28 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["default", "wfbp", "priority"],
                         help="default: IMERGE_SCHEDULE, else wfbp")
     parser.add_argument("--checkpoint", help="save after every epoch; resume from it if it exists")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU of this worker's local rank")
     args = parser.parse_args()
 
-    imh.init()
+    imh.init()  # binds each worker to the GPU of its local rank among its host's workers
+    device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
     torch.manual_seed(0)
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(digits.target)
+    x, y = x.to(device), y.to(device)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train_idx, val_idx = perm[:1500], perm[1500:]
     mine = train_idx[imh.rank()::imh.size()]
 
     model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                          nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+                          nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10)).to(device)
     ddp = DistributedDataParallel(model, process_group=imh.worker_group())
     state = imh.IMergeHookState(schedule=args.schedule, named_parameters=model.named_parameters())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05 * imh.size(), momentum=0.9)
     first_epoch = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
-        saved = torch.load(args.checkpoint, weights_only=False)
+        saved = torch.load(args.checkpoint, weights_only=False, map_location=device)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         state, first_epoch = saved["hook_state"], saved["epoch"] + 1
@@ -57,7 +60,7 @@ def main() -> None:
     acc = float("nan")
     for epoch in range(first_epoch, args.epochs):
         start, seen = time.perf_counter(), 0
-        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))]
+        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))].to(device)
         for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
             idx = order[i:i + args.batch_size]
             opt.zero_grad()
@@ -65,7 +68,7 @@ def main() -> None:
             opt.step()
             seen += len(idx)
         with torch.no_grad():
-            acc = (model(x[val_idx]).argmax(1) == y[val_idx]).float().mean().item()
+            acc = (model(x[val_idx.to(device)]).argmax(1) == y[val_idx.to(device)]).float().mean().item()
         if imh.rank() == 0:
             print(f"epoch {epoch}: val_acc {acc:.4f}  {seen * imh.size() / (time.perf_counter() - start):.0f} "
                   "samples/s", flush=True)

@@ -31,26 +31,32 @@ def main() -> None:
     parser.add_argument("--batches-per-allreduce", type=int, default=1,
                         help="micro-batches per step (backward_passes_per_step)")
     parser.add_argument("--checkpoint", help="worker 0 saves here after every epoch; a later run resumes")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU of this worker's local rank")
     args = parser.parse_args()
 
     hvd.init()  # on server ranks this serves and exits when the workers are done
+    device = torch.device("cpu")
+    if args.cuda:  # init() bound this worker to the GPU of hvd.local_rank(), as Horovod's examples do by hand
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     y = torch.tensor(digits.target)
+    x, y = x.to(device), y.to(device)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
     train_idx, val_idx = perm[:1500], perm[1500:]
     mine = train_idx[hvd.rank()::hvd.size()]  # this worker's shard
     my_val = val_idx[hvd.rank()::hvd.size()]
 
     model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
+                          nn.Linear(64, 10)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.9)
 
     # Resume: worker 0 reads the checkpoint, every worker learns the epoch and gets its state.
     first_epoch = 0
     if args.checkpoint and hvd.rank() == 0 and os.path.exists(args.checkpoint):
-        saved = torch.load(args.checkpoint)
+        saved = torch.load(args.checkpoint, map_location=device)
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         first_epoch = saved["epoch"] + 1
@@ -68,9 +74,9 @@ def main() -> None:
     acc = float("nan")
     for epoch in range(first_epoch, args.epochs):
         model.train()
-        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))]
+        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))].to(device)
         start, seen = time.perf_counter(), 0
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), device=device)
         for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
             idx = order[i:i + args.batch_size]
             opt.zero_grad()
@@ -84,7 +90,7 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         model.eval()
         with torch.no_grad():
-            correct = (model(x[my_val]).argmax(1) == y[my_val]).float().mean()
+            correct = (model(x[my_val.to(device)]).argmax(1) == y[my_val]).float().mean()
         # Metrics over every worker's shard: hvd.allreduce averages (as in Horovod's examples).
         acc = hvd.allreduce(correct, name="val_acc").item()
         train_loss = hvd.allreduce(loss_sum / seen, name="train_loss").item()

@@ -39,6 +39,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU of each worker's local rank")
     return parser.parse_args()
 
 
@@ -125,9 +126,9 @@ def mpi_layout() -> tuple[int, int, int]:
 
 
 def make_trainer(args: argparse.Namespace, callbacks: list) -> pl.Trainer:
-    common = dict(max_epochs=args.epochs, accelerator="cpu", logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                  callbacks=callbacks)
+    common = dict(max_epochs=args.epochs, accelerator="gpu" if args.cuda else "cpu", logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, callbacks=callbacks)
     if args.strategy == "ddp":
         world, local, nodes = mpi_layout()
         if world == 1:
@@ -135,7 +136,8 @@ def make_trainer(args: argparse.Namespace, callbacks: list) -> pl.Trainer:
         from pytorch_lightning.plugins.environments import MPIEnvironment
         from pytorch_lightning.strategies import DDPStrategy
 
-        strategy = DDPStrategy(cluster_environment=MPIEnvironment(), process_group_backend="gloo")
+        backend = "nccl" if args.cuda else "gloo"
+        strategy = DDPStrategy(cluster_environment=MPIEnvironment(), process_group_backend=backend)
         return pl.Trainer(strategy=strategy, devices=local, num_nodes=nodes, **common)
     strategy = "imerge" if args.schedule is None else lightning_plugin.IMergeStrategy(schedule=args.schedule)
     return pl.Trainer(strategy=strategy, devices=1, **common)

@@ -22,11 +22,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=6, help="iterations not timed (profiling happens here)")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU of this worker's local rank")
     args = parser.parse_args()
 
-    imh.init()
+    imh.init()  # binds each worker to the GPU of its local rank among its host's workers
+    device = torch.device("cuda", torch.cuda.current_device()) if args.cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = getattr(torchvision.models, args.model)(num_classes=100)
+    model = getattr(torchvision.models, args.model)(num_classes=100).to(device)
     opt = imh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                    named_parameters=model.named_parameters(), schedule=args.schedule,
                                    profile_steps=max(1, args.warmup - 2))
@@ -34,6 +36,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(imh.rank())
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
     y = torch.randint(0, 100, (args.batch_size,), generator=g)
+    x, y = x.to(device), y.to(device)
     for it in range(args.warmup + args.iters):
         if it == args.warmup:
             opt.synchronize()

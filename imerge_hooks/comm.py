@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._mpi import MPI
+from .devices import adopt_bound_device
 from .errors import IMergeError, IMergeTimeoutError
 from .group import Group
 from .layout import key_owner
@@ -150,6 +151,7 @@ class CommThread:
     def _run(self) -> None:
         """The thread's loop. Its steps are methods, so that no local variable of this frame keeps
         the last group, task or request alive after the engine that owns it is gone."""
+        adopt_bound_device()  # the copy streams' device, for groups on CUDA
         ready = ReadyQueue()
         inflight: dict[int, _InFlight] = {}  # id(op) -> op
         # Pushes to one server complete in order; results come back roughly in push order.
@@ -263,8 +265,8 @@ class CommThread:
         owner = key_owner(spec.key, self.host_size)
         if kind == "contribute":
             peers = [owner, owner]
-            requests = [comm.Irecv(group.mpi_buffer(group.result, start, end), source=owner, tag=tag),
-                        comm.Isend(group.send_buffer(start, end), dest=owner, tag=tag)]
+            requests = [comm.Irecv(group.recv_buffer(task.slot), source=owner, tag=tag),
+                        comm.Isend(group.send_buffer(task.slot), dest=owner, tag=tag)]
         else:
             peers = [m for m in range(self.host_size) if m != self.local_rank]
             if kind == "gather":
@@ -386,13 +388,12 @@ class CommThread:
 
     def _start(self, task: _Task) -> _InFlight:
         spec = task.group.keys[task.slot]
-        start, end = task.group.key_ranges[task.slot]
         dest = self.server_world_rank(spec.server)
         group = task.group
         tag = key_tag(spec.key, group.round)
-        recv = self.comm.Irecv(group.mpi_buffer(group.result, start, end), source=dest, tag=tag)
+        recv = self.comm.Irecv(group.recv_buffer(task.slot), source=dest, tag=tag)
         buffer, task.buffer = task.buffer, None
-        send = self.comm.Isend(buffer if buffer is not None else group.send_buffer(start, end), dest=dest, tag=tag)
+        send = self.comm.Isend(buffer if buffer is not None else group.send_buffer(task.slot), dest=dest, tag=tag)
         now = time.monotonic()
         if self.on_event is not None:
             self.on_event("push", task.group, task.slot, now, 0.0)
@@ -407,8 +408,7 @@ class CommThread:
 
     def _finish(self, task: _Task, started: float) -> None:
         group = task.group
-        start, end = group.key_ranges[task.slot]
-        group.unpack(start, end)
+        group.unpack(task.slot)
         if self.on_event is not None:
             self.on_event("done", group, task.slot, started, time.monotonic())
         left = self._remaining[id(group)] - 1
@@ -419,6 +419,7 @@ class CommThread:
     def _complete(self, group: Group) -> None:
         del self._remaining[id(group)]
         del self._active[id(group)]
+        group.results_queued()
         group.done.set()
         _run_callbacks(group, None)
 

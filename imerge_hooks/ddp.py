@@ -16,12 +16,13 @@ compares the hook's annotations by identity.
 
 import logging
 import os
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import runtime
+from . import runtime, streams
 from .config import SCHEDULE_TRAITS
 from .engine import GradientEngine
 from .errors import IMergeConfigError, IMergeUsageError
@@ -155,23 +156,33 @@ class IMergeHookState:
             numel = engine.params[i].numel()
             spans.append((self._tensor(i), offset, numel))  # tensor index <-> bucket index: same map
             offset += numel
-        result = group.result
+        # On CUDA the averaged buckets come from the gradient buffer, uploaded on the copy stream: the
+        # copies into DDP's buckets queue behind those uploads there, and each future is completed with
+        # that stream current, so DDP's wait on it makes its stream wait for them (not the host).
+        result = group.flat if group.on_device else group.result
 
         def complete(error: BaseException | None) -> None:
-            for index, start, numel in spans:
-                if index in self.collected:
-                    continue  # a bucket of the new layout: the old engine carried zeros for it
-                entry = self.outstanding.pop(index, None)
-                if entry is None:
-                    continue  # already averaged through the old engine (carried as zeros here)
-                buffer, future = entry
-                if error is not None:
-                    future.set_exception(error)
-                    continue
-                buffer.reshape(-1).copy_(result[start:start + numel])
-                future.set_result(buffer)
+            with streams.on_copy_stream(result.device) if result.device.type == "cuda" else nullcontext():
+                self._deliver(spans, result, error)
 
         return complete
+
+    def _deliver(self, spans: list[tuple[int, int, int]], result: torch.Tensor, error: BaseException | None) -> None:
+        """Hand each of this iteration's buckets in ``spans`` its averaged slice of ``result`` (or ``error``)."""
+        for index, start, numel in spans:
+            if index in self.collected:
+                continue  # a bucket of the new layout: the old engine carried zeros for it
+            entry = self.outstanding.pop(index, None)
+            if entry is None:
+                continue  # already averaged through the old engine (carried as zeros here)
+            buffer, future = entry
+            if error is not None:
+                future.set_exception(error)
+                continue
+            buffer.reshape(-1).copy_(result[start:start + numel], non_blocking=True)
+            if buffer.device.type == "cuda":
+                buffer.record_stream(torch.cuda.current_stream(buffer.device))
+            future.set_result(buffer)
 
     # ------------------------------------------------------------------ iteration boundaries
     def _end_iteration(self) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import runtime
+from . import devices, runtime, streams
 from .config import Config
 from .deferral import DeferredStep, deferral_blocker
 from .errors import IMergeUsageError
@@ -241,13 +241,12 @@ class GradientEngine:
             # and one, "this worker trains" (0 while it waits in join(): ``shadow_round``)
             shapes.append((dtype, device, sum(self.params[i].numel() for i in members) + len(members) + 1,
                            wire_dtype(dtype, self.cfg.compression)))
-        # Host buffers of all groups come from two huge-page arenas (gradients, results).
-        gpu_pinned = torch.cuda.is_available()
+        # Host buffers of CPU groups come from two huge-page arenas (gradients, results).
         flats = iter(Arena([(n, d) for d, dev, n, _ in shapes if dev.type == "cpu"]).tensors)
-        results = iter(Arena([(n, w) for _, dev, n, w in shapes if dev.type == "cpu" or not gpu_pinned]).tensors)
+        results = iter(Arena([(n, w) for _, dev, n, w in shapes if dev.type == "cpu"]).tensors)
         for gi, members in enumerate(plan):
             dtype, device, total, wire = shapes[gi]
-            flat = next(flats) if device.type == "cpu" else torch.zeros(total, dtype=dtype, device=device)
+            flat = next(flats) if device.type == "cpu" else self._device_buffer(total, dtype, device)
             spans = []
             offset = 0
             for i in members:
@@ -261,11 +260,13 @@ class GradientEngine:
                 self.group_of[i] = gi
                 self._presence_slot[i] = len(spans) - 1
                 offset += p.numel()
-            on_host = device.type == "cpu"
-            pinned = not on_host and gpu_pinned
-            swap = on_host and wire == dtype
-            result = torch.zeros(total, dtype=wire, pin_memory=True) if pinned else next(results)
-            staging = None if swap else torch.empty(total, dtype=wire, pin_memory=pinned)
+            if device.type == "cpu":
+                swap = wire == dtype
+                result = next(results)
+                staging = None if swap else torch.empty(total, dtype=wire)
+            else:
+                swap = False
+                result, staging = self._device_exchange_buffers(total, dtype, wire, device)
             if swap:
                 for i, (_, off, n) in zip(members, spans):
                     spare[i] = result[off:off + n].view_as(self.params[i])
@@ -291,6 +292,23 @@ class GradientEngine:
             log.info("IMerge worker %d: plan epoch %d, %d groups, %d keys, server load max/mean %.3f",
                      self.topo.worker_rank, self.epoch, len(groups), sum(len(g.keys) for g in groups),
                      placement.balance())
+
+    def _device_buffer(self, total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A gradient or result buffer on a CUDA device, used on its copy stream as well."""
+        buffer = torch.zeros(total, dtype=dtype, device=device)
+        streams.keep_for_copies(buffer)
+        return buffer
+
+    def _device_exchange_buffers(self, total: int, dtype: torch.dtype, wire: torch.dtype,
+                                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A CUDA group's (result, staging): on the device where MPI reads device memory (staging only
+        to convert to the wire dtype), else in pinned host memory, so the copies are asynchronous.
+        Host aggregation sums on the host, so it stages."""
+        if devices.mpi_reads_device() and not self.topo.aggregate_in_host:
+            staging = None if wire == dtype else self._device_buffer(total, wire, device)
+            return self._device_buffer(total, wire, device), staging
+        return (torch.zeros(total, dtype=wire, pin_memory=True),
+                torch.empty(total, dtype=wire, pin_memory=True))
 
     def set_policy(self, **changes: object) -> None:
         """Change how this engine's groups are pushed from the next submission on (fields of
@@ -372,10 +390,7 @@ class GradientEngine:
             if present is None:
                 present = [self.counts[i] >= self.passes for i in group.members]
             flags.copy_(torch.tensor(present, dtype=flags.dtype))
-        if group.flat.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            group.cuda_event = event
+        group.mark_ready()
         if self.on_complete is not None:
             group.callbacks.append(self.on_complete(group))
         self.comm.submit(group, self.policy, self.iteration if round_number is None else round_number)
@@ -400,7 +415,7 @@ class GradientEngine:
         if self.comm is None or not self.topo.num_servers:
             return False
         group = self.groups[self.group_of[i]]
-        return bool(group.flat[group.presence_at + self._presence_slot[i]] != 0)
+        return group.flag(group.presence_at + self._presence_slot[i]) != 0
 
     def push_remaining(self) -> None:
         """Submit every group not sent yet; tensors with no gradient go as zeros."""
@@ -439,6 +454,7 @@ class GradientEngine:
             return None
         for group in self.groups:
             group.flat.zero_()
+            group.mark_ready()
             self.comm.submit(group, self.policy, self.iteration)
         trained = 0
         for group in self.groups:
@@ -450,7 +466,9 @@ class GradientEngine:
         return trained
 
     def _take_result(self, group: Group) -> None:
-        """Swap groups: the result buffer becomes the gradient buffer; re-point the views."""
+        """The caller's stream waits for the group's results (CUDA); swap groups: the result buffer
+        becomes the gradient buffer, re-point the views."""
+        group.use_results()
         if not group.take_result():
             return
         for i in group.members:

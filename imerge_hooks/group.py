@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import streams
 from .wire import KeySpec, as_mpi_buffer
 
 
@@ -35,7 +36,11 @@ class Group:
     staging: torch.Tensor | None = None  # host/wire-dtype copy of ``flat`` (GPU tensors, compression)
     done: threading.Event = field(default_factory=threading.Event)
     submitted: bool = False
-    cuda_event: object | None = None  # recorded when the gradients are ready (GPU only)
+    # CUDA (see ``streams``): the event after this round's gradients on their stream, the events of
+    # the keys' copies out of ``flat``, and the copy stream's event after the results' uploads.
+    ready_event: object | None = None
+    staged: list = field(default_factory=list)
+    uploaded: object | None = None
     members: list[int] = field(default_factory=list)  # parameter indices (engine) or bucket index (DDP)
     callbacks: list = field(default_factory=list)  # one-shot fn(error_or_None), run by the comm thread
     swap: bool = False  # result becomes flat on completion (see take_result) instead of a copy
@@ -93,30 +98,93 @@ class Group:
             for row in rows:
                 target.add_(row)
             return self.mpi_buffer(self.flat, start, end)
-        if self.cuda_event is not None and self.flat.device.type == "cuda":
-            self.cuda_event.synchronize()
         wide = torch.float64 if self.flat.dtype == torch.float64 else torch.float32
-        total = self.flat[start:end].to(device="cpu", dtype=wide)
+        if self.on_device:
+            total = streams.fetch(self.flat[start:end], wide, self.ready_event)
+        else:
+            total = self.flat[start:end].to(dtype=wide)
         total.add_(rows.to(wide).sum(0))
         self.staging[start:end].copy_(total)
         return self.mpi_buffer(self.staging, start, end)
 
-    def send_buffer(self, start: int, end: int) -> list:
-        """MPI buffer of the bytes to push for elements [start, end): host memory, wire dtype.
+    # ------------------------------------------------------------------ one round's data
+    # Main thread: ``mark_ready`` before submitting, ``use_results`` after ``done``. Comm thread:
+    # ``send_buffer``/``recv_buffer`` when a key starts, ``unpack`` when its result is in,
+    # ``results_queued`` before ``done``. On CUDA these order the copy stream (see ``streams``).
+    @property
+    def on_device(self) -> bool:
+        return self.flat.device.type == "cuda"
 
-        GPU and compressed groups are staged into ``staging`` first.
-        """
+    def mark_ready(self) -> None:
+        """Before a submission: on CUDA, record that this round's gradients and flags are what the
+        current stream has queued so far (its copies out wait for exactly that)."""
+        if self.on_device:
+            self.ready_event = streams.record_ready(self.flat.device)
+            self.staged = [None] * len(self.keys)
+
+    def send_buffer(self, slot: int) -> list:
+        """MPI buffer of the bytes to push for key ``slot``: wire dtype, in host memory unless MPI
+        reads device memory. Staged into ``staging`` where the gradient buffer cannot travel itself."""
+        start, end = self.key_ranges[slot]
+        if self.on_device:
+            if self.staging is None:  # CUDA-aware MPI reads the gradient buffer once it is written
+                self.ready_event.synchronize()
+                return self.mpi_buffer(self.flat, start, end)
+            self._stage(slot).synchronize()
+            return self.mpi_buffer(self.staging, start, end)
         if self.staging is None:
             return self.mpi_buffer(self.flat, start, end)
-        if self.cuda_event is not None and self.flat.device.type == "cuda":
-            self.cuda_event.synchronize()
         self.staging[start:end].copy_(self.flat[start:end])
         return self.mpi_buffer(self.staging, start, end)
 
-    def unpack(self, start: int, end: int) -> None:
-        """Copy the averaged result into the gradient buffer (widening or uploading as needed)."""
-        if not self.swap:
+    def _stage(self, slot: int) -> object:
+        """CUDA: at the first key's need, queue every key's copy out of ``flat`` on the copy stream
+        (behind the ready event); the event of key ``slot``'s copy."""
+        if self.staged[slot] is None:
+            after = self.ready_event
+            for i, (start, end) in enumerate(self.key_ranges):
+                if self.staged[i] is None:
+                    self.staged[i] = streams.copy_after(self.staging[start:end], self.flat[start:end],
+                                                        self.flat.device, after)
+                    after = None  # the copy stream runs them in order
+        return self.staged[slot]
+
+    def recv_buffer(self, slot: int) -> list:
+        """MPI buffer receiving key ``slot``'s result. On CUDA the last round's upload out of it
+        must have run before MPI writes it again (long done by then: the round was consumed)."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+        start, end = self.key_ranges[slot]
+        return self.mpi_buffer(self.result, start, end)
+
+    def unpack(self, slot: int) -> None:
+        """Copy key ``slot``'s averaged result into the gradient buffer (widening or uploading as needed)."""
+        if self.swap:
+            return
+        start, end = self.key_ranges[slot]
+        if self.on_device:
+            streams.copy_after(self.flat[start:end], self.result[start:end], self.flat.device)
+        else:
             self.flat[start:end].copy_(self.result[start:end])
+
+    def results_queued(self) -> None:
+        """Every key's result is in: on CUDA, the event after their uploads, for consumers to wait on."""
+        if self.on_device:
+            self.uploaded = streams.record_copies_done(self.flat.device)
+
+    def use_results(self) -> None:
+        """After ``done``: make the caller's current stream wait for the uploads (CUDA); the host does not wait."""
+        if self.on_device and self.uploaded is not None:
+            streams.wait_on_current(self.uploaded, self.flat.device)
+
+    def flag(self, index: int) -> float:
+        """Element ``index`` of the averaged round (a presence or training flag) as a number, read
+        from host memory where the result is there (no wait on the device)."""
+        if not self.on_device:
+            return float(self.flat[index])
+        if self.result.device.type == "cpu":
+            return float(self.result[index])
+        return streams.read_scalar(self.result, index)
 
     def take_result(self) -> bool:
         """Swap groups: make the completed result the gradient buffer. True if it swapped."""
@@ -132,7 +200,7 @@ class Group:
 
     def trained(self, num_workers: int) -> int:
         """After a round: how many workers trained in it (the others shadowed it from join())."""
-        return round(float(self.flat[self.active_at]) * num_workers)
+        return round(self.flag(self.active_at) * num_workers)
 
     @property
     def nbytes(self) -> int:

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from . import collectives, polling
+from . import collectives, devices, polling
 from ._mpi import MPI, ensure_initialized
 from .collectives import collective
 from .comm import CommThread
@@ -108,6 +108,8 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     set_identity(topo)
     _setup_logging()
     check_layout(topo, cfg.servers_per_host, cfg.share_gpus)
+    if not topo.is_server:
+        devices.configure(topo, cfg.cuda_aware_mpi)
     if topo.world_rank == 0 and topo.world_size > 1 and log.isEnabledFor(logging.WARNING):
         print(describe_layout(topo), file=sys.stderr, flush=True)
     chosen = polling.configure(cfg.polling, topo.ranks_on_node)
@@ -570,7 +572,6 @@ def worker_group():
     Otherwise it initialises the default group at ``MASTER_ADDR:MASTER_PORT`` (the same
     rendezvous, so a script must not initialise it again afterwards).
     """
-    import torch
     import torch.distributed as dist
 
     topo = topology()
@@ -584,8 +585,7 @@ def worker_group():
         _state.process_group = dist.group.WORLD
         return _state.process_group
     address, port = master_address_port()
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("IMERGE_BACKEND", "") != "gloo" else "gloo"
-    backend = os.environ.get("IMERGE_BACKEND", backend)
+    backend = devices.worker_backend(topo)
     # Its collectives (DDP's, Lightning's sync_dist, barriers) are bounded by timeout_s like IMerge's own.
     dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=topo.worker_rank,
                             world_size=topo.num_workers, timeout=datetime.timedelta(seconds=config().timeout_s))

@@ -80,10 +80,16 @@ def split_key_tag(tag: int) -> tuple[int, int]:
 
 
 def as_mpi_buffer(tensor: torch.Tensor) -> list:
-    """A contiguous CPU tensor as an MPI byte buffer, zero-copy (works for bfloat16 too)."""
-    if not tensor.is_contiguous() or tensor.device.type != "cpu":
-        raise ValueError("IMerge internal: MPI buffers must be contiguous CPU tensors")
-    return [tensor.reshape(-1).view(torch.uint8).numpy(), MPI.BYTE]
+    """A contiguous tensor as an MPI byte buffer, zero-copy (works for bfloat16 too). CUDA tensors
+    go as themselves (mpi4py reads their DLPack / CUDA array interface): only for a CUDA-aware MPI."""
+    if not tensor.is_contiguous():
+        raise ValueError("IMerge internal: MPI buffers must be contiguous")
+    flat = tensor.reshape(-1).view(torch.uint8)
+    if tensor.device.type == "cuda":
+        return [flat, MPI.BYTE]
+    if tensor.device.type != "cpu":
+        raise ValueError(f"IMerge internal: MPI buffers must be in host or CUDA memory, not {tensor.device}")
+    return [flat.numpy(), MPI.BYTE]
 
 
 def table_to_wire(keys: list[KeySpec]) -> list[tuple]:

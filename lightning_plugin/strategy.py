@@ -33,6 +33,7 @@ from torch import Tensor
 import imerge_hooks
 from imerge_hooks import runtime
 from imerge_hooks.config import PROCESS_OPTIONS, Config
+from imerge_hooks.devices import gpu_index
 from imerge_hooks.errors import IMergeConfigError
 
 from ._lightning import (
@@ -102,8 +103,8 @@ class IMergeStrategy(ParallelStrategy):
     @property
     def root_device(self) -> torch.device:
         device = self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
-        if device.type == "cuda":
-            return torch.device("cuda", self.local_rank % max(torch.cuda.device_count(), 1))
+        if device.type == "cuda":  # the GPU init() bound this worker to: its local rank among its host's workers
+            return torch.device("cuda", gpu_index(self._environment.topology()))
         return device
 
     @property
