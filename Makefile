@@ -6,7 +6,7 @@ STAMP := $(VENV)/.imerge-installed
 WORKERS ?= 3
 SERVERS ?= 1
 
-.PHONY: demo test venv lint bench-transport clean
+.PHONY: demo test gpu-check venv lint bench-transport clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# On a GPU machine: tests/gpu, then the GPU benchmark (benchmarks/results/gpu.json). GPU_PY=python3 uses a
+# Python that already holds CUDA torch, mpi4py and an MPI instead of .venv (nothing is installed then).
+GPU_PY ?= $(PY)
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(STAMP))
+	PYTHONPATH=. $(GPU_PY) -m pytest -q -ra tests/gpu
+	PYTHONPATH=. $(GPU_PY) benchmarks/gpu.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check imerge_hooks lightning_plugin examples benchmarks tests
