@@ -55,6 +55,8 @@ class GradientEngine:
         self.counts = [0] * len(self.params)
         self.ready_at: list[float] = [0.0] * len(self.params)
         self.backward_started: float | None = None
+        # Profiling on CUDA (set by the replanner): a timing event per tensor when its gradient is ready
+        self.timing_events: list | None = None
         self.last_ready = 0.0
         self.groups: list[Group] = []
         self.group_of: list[int] = [-1] * len(self.params)
@@ -370,6 +372,8 @@ class GradientEngine:
             return
         self.last_ready = time.monotonic()
         self.ready_at[i] = self.last_ready - self.backward_started
+        if self.timing_events is not None:
+            self.timing_events[i] = streams.timing_event(self.params[i].device)
         g = self.group_of[i]
         self.group_arrived[g] += 1
         if self.immediate and self.group_arrived[g] == len(self.groups[g].members):

@@ -138,15 +138,13 @@ class Group:
         return self.mpi_buffer(self.staging, start, end)
 
     def _stage(self, slot: int) -> object:
-        """CUDA: at the first key's need, queue every key's copy out of ``flat`` on the copy stream
-        (behind the ready event); the event of key ``slot``'s copy."""
+        """CUDA: queue key ``slot``'s copy out of ``flat`` on the copy stream behind the ready event
+        (once per round); the event of that copy. Key by key, never the whole group: with host
+        aggregation the owner writes its keys' host sums into ``staging`` itself."""
         if self.staged[slot] is None:
-            after = self.ready_event
-            for i, (start, end) in enumerate(self.key_ranges):
-                if self.staged[i] is None:
-                    self.staged[i] = streams.copy_after(self.staging[start:end], self.flat[start:end],
-                                                        self.flat.device, after)
-                    after = None  # the copy stream runs them in order
+            start, end = self.key_ranges[slot]
+            self.staged[slot] = streams.copy_after(self.staging[start:end], self.flat[start:end], self.flat.device,
+                                                   self.ready_event)
         return self.staged[slot]
 
     def recv_buffer(self, slot: int) -> list:

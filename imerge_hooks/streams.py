@@ -104,3 +104,17 @@ def on_copy_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
     stream = copy_stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         yield stream
+
+
+def timing_event(device: torch.device) -> torch.cuda.Event:
+    """A timing event on the current stream of ``device`` (profiling: when the GPU gets there, not
+    when the host queued it)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def seconds_between(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+    """GPU time from ``start`` to ``end`` in seconds; waits for ``end`` (profiling iterations only)."""
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0

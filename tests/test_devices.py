@@ -3,6 +3,9 @@ query, as pure rules (no GPU needed; ``tests/gpu`` runs them on one)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from imerge_hooks import devices
@@ -48,9 +51,12 @@ def test_nccl_only_where_no_two_workers_share_a_gpu(monkeypatch):
 
 
 def test_cuda_aware_query_reads_the_loaded_mpi_library(monkeypatch):
-    from mpi4py import MPI  # noqa: F401 - loads the library the query looks for
-
-    assert any("libmpi" in path for path in devices._loaded_mpi_libraries())
+    # In a child: loading MPI in this process would change what other tests see (test_key_ids).
+    probe = ("from mpi4py import MPI; from imerge_hooks import devices; "
+             "print(devices._loaded_mpi_libraries(), devices._query_cuda_support())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    libraries, supported = out.stdout.rsplit(" ", 1)
+    assert "libmpi" in libraries and supported.strip() in ("True", "False"), out.stdout
     assert devices.cuda_aware_mpi(False) is False
     monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
     assert devices.cuda_aware_mpi(None) is False and devices.cuda_aware_mpi(True) is False  # no CUDA, no device buffers

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .. import streams
+
 
 @dataclass
 class Profile:
@@ -51,7 +53,11 @@ class Profiler:
         self.seen = 0
         self._by_param = {id(p): n for n, p in zip(names, params)}
         self._module_names: dict[int, str | None] = {}  # id(module) -> name, None if it owns no profiled param
-        self._starts: dict[int, float] = {}
+        self._starts: dict[int, object] = {}
+        # CUDA: kernels run after the host queued them, so times come from timing events on the
+        # module's stream, read once the step is over (``_gpu_spans``, resolved by ``record_iteration``).
+        self.on_device = any(p.is_cuda for p in params)
+        self._gpu_spans: list[tuple[str, object, object]] = []
         self._handles = []
         if steps > 0:
             self._handles = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre),
@@ -62,6 +68,9 @@ class Profiler:
         return self.seen >= self.steps
 
     def record_iteration(self, ready_at: list[float]) -> None:
+        for name, start, end in self._gpu_spans:
+            self.forward.setdefault(name, []).append(streams.seconds_between(start, end))
+        self._gpu_spans = []
         self.seen += 1
         if self.seen > self.discard:
             self.samples.append(list(ready_at))
@@ -85,15 +94,27 @@ class Profiler:
         if torch.compiler.is_compiling():  # inside a compiled graph: no per-module time to take
             return
         if self._owner_name(module) is not None:
-            self._starts[id(module)] = time.perf_counter()
+            self._starts[id(module)] = self._now(module)
 
     def _post(self, module: torch.nn.Module, _args, _out) -> None:
         if torch.compiler.is_compiling():
             return
         start = self._starts.pop(id(module), None)
-        if start is not None:
-            name = self._module_names[id(module)]
+        if start is None:
+            return
+        name = self._module_names[id(module)]
+        if isinstance(start, float):
             self.forward.setdefault(name, []).append(time.perf_counter() - start)
+        else:
+            self._gpu_spans.append((name, start, self._now(module)))
+
+    def _now(self, module: torch.nn.Module) -> object:
+        """Host time, or a timing event on the stream of a module whose parameters are on a GPU."""
+        if self.on_device:
+            device = next((p.device for p in module._parameters.values() if p is not None), None)
+            if device is not None and device.type == "cuda":
+                return streams.timing_event(device)
+        return time.perf_counter()
 
     def close(self) -> None:
         for h in self._handles:

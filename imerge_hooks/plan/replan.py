@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import runtime
+from .. import runtime, streams
 from ..schedule import tail_group
 from .choice import choose_plan
 from .costmodel import CostModel, LinearModel, planner_model
@@ -33,13 +33,31 @@ class Replanner:
         self.model: CostModel | None = None
         if engine.cfg.profile_steps <= 0:
             raise ValueError("IMerge: profile_steps must be >= 1 for planned schedules")
+        if self.profiler.on_device:  # the host queues backward ahead of the GPU: time it there
+            engine.timing_events = [None] * len(engine.params)
 
     def __call__(self, engine) -> None:
         if self.profiler.done:
             return
-        self.profiler.record_iteration(engine.ready_at)
+        self.profiler.record_iteration(self._ready_times(engine))
         if self.profiler.done:
+            engine.timing_events = None
             self.apply()
+
+    @staticmethod
+    def _ready_times(engine) -> list[float]:
+        """The iteration's ready times: the host's, or on CUDA the GPU time of each gradient's event
+        after the first gradient's (waits for those events: profiling iterations only)."""
+        events = engine.timing_events
+        recorded = [i for i, event in enumerate(events or []) if event is not None]
+        if not recorded:
+            return engine.ready_at
+        first = events[min(recorded, key=lambda i: engine.ready_at[i])]
+        times = list(engine.ready_at)
+        for i in recorded:
+            times[i] = max(0.0, streams.seconds_between(first, events[i]))
+        engine.timing_events = [None] * len(events)
+        return times
 
     def apply(self) -> None:
         engine = self.engine

@@ -42,6 +42,10 @@ def test_every_front_end_and_schedule_on_one_shared_gpu(tmp_path):
     assert sorted(got) == sorted(expected), run.stdout[-3000:]
     bad = {name: diff for name, diff in got.items() if not diff <= TOL}
     assert not bad, bad
+    # The profile times gradients on the GPU: the slow kernel's tens of ms show before conv.weight's
+    # gradient (host times would show ~0: the host queues all of backward at once).
+    ready = json.loads(next(line for line in run.lines(0, "READY") if line.startswith("imerge")).split(" ", 1)[1])
+    assert ready["conv.weight"] - ready["fc2.weight"] >= 0.005, ready
     memory = json.loads(run.lines(0, "MEMORY")[0])
     (allocated_50, _), (allocated_end, peak_late) = memory["50"], memory["500"]
     assert allocated_end <= allocated_50, memory  # nothing piles up

@@ -125,7 +125,11 @@ def train_optimizer(schedule: str, steps: int, slow: bool = False) -> nn.Module:
         nn.functional.cross_entropy(model(shard(x).to(device)), shard(y).to(device)).backward()
         opt.step()
     opt.synchronize()
-    opt._imerge_engine.close()
+    engine = opt._imerge_engine
+    if engine.replanner is not None and engine.replanner.profile is not None:
+        profile = engine.replanner.profile
+        say("READY", schedule, json.dumps(dict(zip(profile.names, profile.ready_times))))
+    engine.close()
     return model
 
 
@@ -136,7 +140,8 @@ def check_optimizer() -> None:
 
 def check_stale() -> None:
     """A long kernel queued before backward's last gradient: a push that read its group before the
-    gradient was written would send zeros (or last step's values) and the parameters would differ."""
+    gradient was written would send zeros (or last step's values) and the parameters would differ.
+    The profile of ``imerge`` (READY) must show that gradient late: ready times are GPU times."""
     for schedule in ("wfbp", "imerge"):
         report(f"stale:{schedule}", train_optimizer(schedule, args.steps, slow=True), args.steps, slow=True)
 
