@@ -156,18 +156,10 @@ class Placement:
         self.pushers = dict(pushers or {})
         self.link: dict[str, int] = {}  # host -> bytes on its link (each direction) so far
 
-    def _links_after(self, server: int, nbytes: int) -> dict[str, int]:
-        """Every host link's bytes if ``nbytes`` went to ``server``: each other host's pushers send it
-        there, and the server's host takes all of it in (results mirror pushes)."""
-        where = self.server_hosts[server]
-        after = dict(self.link)
-        inbound = 0
-        for host, count in self.pushers.items():
-            if host != where:
-                after[host] = after.get(host, 0) + count * nbytes
-                inbound += count * nbytes
-        after[where] = after.get(where, 0) + inbound
-        return after
+    def _inbound(self, where: str, nbytes: int) -> int:
+        """Bytes a server on host ``where`` takes in for a key of ``nbytes``: every other host's pushers
+        send it there (results mirror pushes)."""
+        return sum(count for host, count in self.pushers.items() if host != where) * nbytes
 
     def place(self, nbytes: int) -> int:
         order = [s % self.num_servers for s in range(self.next, self.next + self.num_servers)]
@@ -175,13 +167,36 @@ class Placement:
             least = min(self.load)
             server = next(s for s in order if self.load[s] == least)
         else:
-            options = {s: self._links_after(s, nbytes) for s in order}
-            server = min(order, key=lambda s: (max(options[s].values()), options[s][self.server_hosts[s]],
-                                               self.load[s]))
-            self.link = options[server]
+            server = min(order, key=self._scorer(nbytes))
+            where = self.server_hosts[server]
+            for host, count in self.pushers.items():
+                if host != where:
+                    self.link[host] = self.link.get(host, 0) + count * nbytes
+            self.link[where] = self.link.get(where, 0) + self._inbound(where, nbytes)
         self.next = (server + 1) % self.num_servers
         self.load[server] += nbytes
         return server
+
+    def _scorer(self, nbytes: int):
+        """``server -> (busiest link after, its host's link after, its bytes)`` if the key went there, in
+        O(1) per server: each link's bytes after depend on the server only through its host ``where``
+        (pusher hosts other than ``where`` add their pushes; ``where`` takes the others' in), so the
+        busiest link is the larger of ``where``'s and the two largest of the rest."""
+        total = sum(self.pushers.values()) * nbytes
+        pushing = sorted(((self.link.get(h, 0) + c * nbytes, h) for h, c in self.pushers.items()), reverse=True)[:2]
+        idle = sorted(((v, h) for h, v in self.link.items() if h not in self.pushers), reverse=True)[:2]
+
+        def score(server: int) -> tuple[int, int, int]:
+            where = self.server_hosts[server]
+            mine = self.link.get(where, 0) + total - self.pushers.get(where, 0) * nbytes
+            busiest = mine
+            for top in (pushing, idle):
+                value = next((v for v, h in top if h != where), None)
+                if value is not None and value > busiest:
+                    busiest = value
+            return busiest, mine, self.load[server]
+
+        return score
 
     def balance(self) -> float:
         """max/mean bytes per server (1.0 is perfect)."""

@@ -116,6 +116,10 @@ EVENT_KINDS = ("forward", "backward", "push", "pull", "wait", "update")
 # Events closer than this (seconds) count as simultaneous: they are handled as one batch before
 # flow rates are recomputed (symmetric workers make many events coincide).
 _EPS_T = 1e-12
+# A cluster of more than FOLD_ABOVE alike workers is simulated through at least FOLD_WORKERS that stand
+# for all (fold_factor).
+FOLD_WORKERS = 4
+FOLD_ABOVE = 16
 
 
 # ---------------------------------------------------------------------------------- specs
@@ -353,6 +357,7 @@ class SimResult:
     servers: int
     plan: Plan | None = None  # the planner's output (ready-order indices), planned schedules only
     cost_model: Any = None  # the model the plan was made with
+    fold: int = 1  # each simulated worker and server stood for this many (``fold_factor``)
 
     @property
     def server_push_bytes(self) -> list[int]:
@@ -432,6 +437,7 @@ class _Msg:
     stamp: int = -1
     fid: int = -1
     weight: float = 1.0  # share of a bottleneck relative to the other flows (uneven incast sharing)
+    coefs: tuple[float, ...] = (1.0, 1.0)  # per link: the bytes it carries per byte of this flow (folding)
 
 
 @dataclass(slots=True)
@@ -448,7 +454,11 @@ class _Worker:
 
 
 _FABRIC = -1  # the shared fabric link's id (host links are >= 0)
-_FABRIC_LINKS = (_FABRIC,)
+
+
+def _coef(f: _Msg, link: int) -> float:
+    """Bytes ``link`` carries per byte of flow ``f`` (1 on the fabric)."""
+    return f.coefs[f.links.index(link)] if link in f.links else 1.0
 
 
 class _Sim:
@@ -464,8 +474,11 @@ class _Sim:
                  record: bool = True, fabric: float | None = None, share_cv: float = 0.0,
                  share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
                  tail_credit: int | None = None, worker_message: float = 0.0, hosts: Sequence[int] | None = None,
-                 aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9) -> None:
+                 aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9,
+                 key_mult: Sequence[float] | None = None) -> None:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
+        # Folding (fold_factor): key k's pushes stand for this many pushes at its server (link and work).
+        self.key_mult = list(key_mult) if key_mult is not None else [1.0] * len(key_bytes)
         self.host = list(hosts) if hosts is not None else list(range(workers + servers))
         self.H = max(self.host) + 1
         self.local_B, self.reduce_rate = float(local_bandwidth), float(reduce_rate)
@@ -711,7 +724,8 @@ class _Sim:
             nbytes = self.key_bytes[k]
             windows.started(nbytes, w.key_order[k], self.now)
             s = self.key_server[k]
-            m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + s))
+            m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + s),
+                     coefs=(1.0, self.key_mult[k]))
             if self.worker_message > 0.0:
                 self._push_event(self._thread_slot(r), _EV_POSTED, m)
             else:
@@ -732,7 +746,8 @@ class _Sim:
         self.key_count[k] = 0
         nbytes = self.key_bytes[k]
         for worker in self.key_pushers.pop(k):
-            self._send(_Msg(False, worker, s, k, nbytes, self.links(self.W + s, worker), "", (self.W + s, worker)))
+            self._send(_Msg(False, worker, s, k, nbytes, self.links(self.W + s, worker), "", (self.W + s, worker),
+                            coefs=(self.key_mult[k], 1.0)))
 
     def _delivered(self, m: _Msg) -> None:
         if m.kind:
@@ -758,7 +773,7 @@ class _Sim:
             self._pump(m.worker)
             s = m.server
             start = max(self.now, self.cpu_free[s])
-            end = start + self.startup
+            end = start + self.startup * self.key_mult[m.key]
             self.cpu_free[s] = end
             if self.record and end > start:
                 self.timeline.append(Event(self.strack[s], f"sum key {m.key} from worker {m.worker}",
@@ -908,20 +923,23 @@ class _Sim:
         self.stamp += 1
         stamp = self.stamp
         members: dict[int, list[_Msg]] = {}
+        weight: dict[int, float] = {}
         for f in flows.values():
-            for link in f.links:
+            for link, coef in zip(f.links, f.coefs):
                 lst = members.get(link)
                 if lst is None:
                     members[link] = [f]
+                    weight[link] = f.weight * coef
                 else:
                     lst.append(f)
+                    weight[link] += f.weight * coef
         local = 2 * self.H
         cap = {link: self.local_B if link >= local else self.B for link in members}
         if self.fabric is not None:
             members[_FABRIC] = list(flows.values())
             cap[_FABRIC] = self.fabric
+            weight[_FABRIC] = sum(f.weight for f in flows.values())
         count = {link: len(lst) for link, lst in members.items()}
-        weight = {link: sum(f.weight for f in lst) for link, lst in members.items()}
         live = list(members)
         while live:
             level = min(cap[link] / weight[link] for link in live)
@@ -934,15 +952,20 @@ class _Sim:
                         continue
                     f.stamp = stamp
                     f.rate = rate = level * f.weight
-                    for other in (f.links + _FABRIC_LINKS if self.fabric is not None else f.links):
-                        left = cap[other] - rate
+                    for other, coef in zip(f.links, f.coefs):
+                        left = cap[other] - rate * coef
                         cap[other] = left if left > 0.0 else 0.0
                         count[other] -= 1
-                        weight[other] -= f.weight
+                        weight[other] -= f.weight * coef
+                    if self.fabric is not None:
+                        left = cap[_FABRIC] - rate
+                        cap[_FABRIC] = left if left > 0.0 else 0.0
+                        count[_FABRIC] -= 1
+                        weight[_FABRIC] -= f.weight
             live = [link for link in live if count[link] > 0]
             for link in live:  # rounding must not leave a live link with no weight
                 if weight[link] <= 0.0:
-                    weight[link] = sum(f.weight for f in members[link] if f.stamp != stamp)
+                    weight[link] = sum(f.weight * _coef(f, link) for f in members[link] if f.stamp != stamp)
         for f in flows.values():  # a flow squeezed to zero by rounding must still progress
             if f.rate <= 0.0:
                 f.rate = self.B * 1e-9
@@ -989,20 +1012,50 @@ def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_byt
     return group_keys, keys
 
 
+def fold_factor(cluster: ClusterSpec) -> int:
+    """How many workers one simulated worker stands for: 1 up to ``FOLD_ABOVE`` workers, else the
+    largest ``m`` dividing W that leaves at least ``FOLD_WORKERS`` workers, where every rank has a
+    host of its own (hosts=None).
+
+    Workers are alike (one model, one plan, one key layout), so W/m simulated workers can stand for
+    W: each simulated push is ``m`` pushes at its server (its bytes weigh ``m``-fold on the server's
+    link, and the server works ``m`` startups for it), each result ``m`` results. Servers are all
+    simulated. Exact where every worker pushes the same key at the same point (no stagger, or a
+    model whose timing stagger does not change); with stagger the ``m`` workers a simulated one stands
+    for would start their groups at ``m`` different servers, and the fold has them all push where it
+    pushes: no stagger benefit, an upper bound. ``benchmarks/results/RESULTS.md`` ("Simulating
+    hundreds of workers") measures the difference against simulating every worker. The cost of an
+    iteration then grows with W/m and S, not W x S.
+    """
+    if cluster.hosts is not None or cluster.workers <= FOLD_ABOVE:
+        return 1
+    for m in range(cluster.workers // FOLD_WORKERS, 1, -1):
+        if cluster.workers % m == 0:
+            return m
+    return 1
+
+
 def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInfo], group_keys, cluster: ClusterSpec,
               priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
               result_window: int | None = None, tail_group: int | None = None, tail_credit: int | None = None,
-              iterations: int, record: bool) -> _Sim:
+              iterations: int, record: bool, fold: int = 1) -> _Sim:
+    """The event loop for ``cluster``, its workers folded by ``fold`` (``fold_factor``): W/fold workers,
+    every push and result standing for ``fold`` at its server, the fabric carrying 1/fold of the traffic."""
+    servers = cluster.servers
+    fabric = None if cluster.fabric_Bps is None else cluster.fabric_Bps / fold
+    key_mult = [float(fold)] * len(keys) if fold > 1 else None
     return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
-                group_keys=group_keys, key_bytes=[k.nbytes for k in keys], key_server=[k.server for k in keys],
-                workers=cluster.workers, servers=cluster.servers, bandwidth=cluster.bandwidth_Bps,
+                group_keys=group_keys, key_bytes=[k.nbytes for k in keys],
+                key_server=[k.server for k in keys],
+                workers=cluster.workers // fold, servers=servers, bandwidth=cluster.bandwidth_Bps,
                 startup=cluster.startup_s, priority=priority, stagger=stagger, credit=credit,
                 result_window=result_window,
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
-                fabric=cluster.fabric_Bps, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
+                fabric=fabric, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
                 share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
-                worker_message=cluster.worker_message_s, hosts=cluster.rank_hosts, aggregate=cluster.aggregates,
-                local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps)
+                worker_message=cluster.worker_message_s, hosts=None if fold > 1 else cluster.rank_hosts,
+                aggregate=cluster.aggregates, local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps,
+                key_mult=key_mult)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -1027,7 +1080,7 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
         sim = _make_sim(fwd=[0.0], bwd=[0.0], layer_names=["calibration"], layer_tensors=[[0]], groups=[[0]],
                         keys=keys, group_keys=[list(range(len(keys)))], cluster=cluster, priority=False,
                         stagger=False, credit=None, push_after_backward=False, overlap=False, iterations=1,
-                        record=False)
+                        record=False, fold=fold_factor(cluster))
         sim.run()
         times.append(max(s[1] - s[0] for s in sim.starts))
     return PSModel.fit(cluster.workers, cluster.servers, list(grid), times)
@@ -1075,7 +1128,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
-             plan_search: bool = True, stagger: bool | None = None) -> SimResult:
+             plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True) -> SimResult:
     """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
@@ -1094,6 +1147,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     candidate plans (:mod:`imerge_hooks.plan.search`) and keeps the fastest, as the engine
     does; False: the DP's plan alone (the search may also choose ``stagger``, as the engine's does).
     ``stagger``: as ``SchedulePolicy.stagger`` (None: as the schedule, or its searched plan, says).
+    ``fold_workers``: simulate the alike workers of a large cluster through a few that stand for
+    them (``fold_factor``; ``SimResult.fold`` says how many each stands for, and the timeline then
+    has tracks for those only); False: every worker and server.
     See the module doc for the model.
     """
     if schedule not in SCHEDULE_TRAITS:
@@ -1150,6 +1206,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         if stagger is None and plan_result.stagger is not None:
             stagger = plan_result.stagger
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster)
+    fold = fold_factor(cluster) if fold_workers else 1
     tail = None
     if tail_credit_bytes is not None and traits.tail_credit:
         tail_model = cost_model if cost_model is not None else used_model
@@ -1164,7 +1221,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                     tail_group=tail, tail_credit=tail_credit_bytes,
                     push_after_backward=traits.push_after_backward,
                     overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
-                    iterations=iterations, record=timeline)
+                    iterations=iterations, record=timeline, fold=fold)
     sim.run()
     starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
     per_iteration = [b - a for a, b in zip(starts, starts[1:])]
@@ -1174,4 +1231,5 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     events = sorted(sim.timeline, key=lambda e: (e.start, e.end))
     return SimResult(schedule=schedule, iteration_s=iteration_s, throughput=throughput,
                      iteration_times=per_iteration, timeline=events, groups=groups, keys=keys,
-                     workers=cluster.workers, servers=cluster.servers, plan=plan_result, cost_model=used_model)
+                     workers=cluster.workers, servers=cluster.servers, plan=plan_result, cost_model=used_model,
+                     fold=fold)

@@ -1,0 +1,98 @@
+"""How long worker 0 takes to choose a plan, and how good the plan is, at W = 4..256.
+
+    python benchmarks/plan_time.py [--workers 4,8,...] [--profiles resnet50,...] [--timeout 600]
+                                   [--out benchmarks/results/plan-time.json]
+
+For every benchmark profile, W and S in (W, W/2): ``plan.choice.choose_plan`` for the ``imerge``
+schedule on the profile's tensors in ready order, as ``plan.replan.Replanner`` calls it after
+profiling, with the cost model the benchmarks use (the simulator's calibration of a cluster of
+1 Gbit/s links and 200 us startup). Each cell runs in a child process under ``--timeout``; it
+reports the CPU and wall seconds of ``choose_plan`` and the simulated iteration time of the
+chosen plan (``simulate`` with those groups and that partition size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+PROFILES = ("alexnet", "resnet18", "resnet50", "vgg16", "synthetic")
+
+
+def cell(profile: str, workers: int, servers: int) -> dict:
+    import itertools
+
+    from benchmarks.plans import tensor_names
+    from imerge_hooks.config import Config
+    from imerge_hooks.plan.choice import choose_plan
+    from imerge_hooks.simulate import ClusterSpec, ModelSpec, calibrate_model, simulate
+
+    path = REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json"
+    spec = ModelSpec.from_profile_json(path)
+    names = tensor_names(json.loads(path.read_text()))
+    sizes = spec.tensor_bytes
+    suffix = list(itertools.accumulate(reversed([layer.backward_s for layer in spec.layers])))[::-1]
+    ready = [suffix[i] for i, layer in enumerate(spec.layers) for _ in layer.param_bytes]
+    order = list(reversed(range(len(sizes))))
+    cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e9, startup_s=2e-4)
+    model = calibrate_model(cluster)
+    cfg = Config(schedule="imerge")
+    cpu, wall = time.process_time(), time.perf_counter()
+    chosen = choose_plan([sizes[i] for i in order], [ready[i] for i in order], [names[i] for i in order], model,
+                         cfg, workers, servers)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    groups = [[order[j] for j in g] for g in chosen.groups]
+    sim_start = time.perf_counter()
+    result = simulate(spec, cluster, "imerge", cost_model=model, timeline=False, groups=groups,
+                      partition_bytes=chosen.partition_bytes or cfg.partition_bytes, iterations=3,
+                      stagger=getattr(chosen, "stagger", None))
+    return {"profile": profile, "workers": workers, "servers": servers, "tensors": len(sizes), "cpu_s": cpu,
+            "wall_s": wall, "groups": len(groups), "partition_bytes": chosen.partition_bytes,
+            "iteration_s": result.iteration_s, "simulate_s": time.perf_counter() - sim_start}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", default="4,8,16,32,64,128,256")
+    parser.add_argument("--profiles", default=",".join(PROFILES))
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--cell", help="profile,W,S: run one cell here and print its JSON")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.cell:
+        profile, w, s = args.cell.split(",")
+        print(json.dumps(cell(profile, int(w), int(s))), flush=True)
+        return
+    rows = []
+    for profile in args.profiles.split(","):
+        for workers in map(int, args.workers.split(",")):
+            for servers in sorted({workers, max(1, workers // 2)}, reverse=True):
+                cmd = [sys.executable, __file__, "--cell", f"{profile},{workers},{servers}"]
+                try:
+                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
+                    row = json.loads(out.stdout.strip().splitlines()[-1])
+                except subprocess.TimeoutExpired:
+                    row = {"profile": profile, "workers": workers, "servers": servers,
+                           "error": f"not finished in {args.timeout:.0f} s"}
+                except subprocess.CalledProcessError as failed:
+                    row = {"profile": profile, "workers": workers, "servers": servers,
+                           "error": failed.stderr.strip().splitlines()[-1] if failed.stderr.strip() else "failed"}
+                rows.append(row)
+                shown = (f"cpu {row['cpu_s']:8.2f} s  wall {row['wall_s']:8.2f} s  iteration {row['iteration_s']:.5f} s"
+                         if "error" not in row else row["error"])
+                print(f"{profile:<10} W={workers:<4} S={servers:<4} {shown}", flush=True)
+                if args.out:
+                    Path(args.out).write_text(json.dumps({"command": "python benchmarks/plan_time.py "
+                                                          + " ".join(sys.argv[1:]), "cells": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Simulating hundreds of workers: the fold (a few simulated workers stand for many alike ones) and
+link-aware key placement in O(S + H) per key, both checked against doing it the long way."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from imerge_hooks.layout import Placement
+from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, fold_factor, simulate
+
+
+def model() -> ModelSpec:
+    sizes = [(4 << 20, 4096), (1 << 20, 1024), (256 << 10,), (64 << 10, 256), (2 << 20,)]
+    return ModelSpec(layers=[LayerSpec(f"l{i}", list(b), 0.002, 0.004) for i, b in enumerate(sizes)], batch_size=8)
+
+
+def test_fold_factor_leaves_small_and_placed_clusters_alone():
+    assert fold_factor(ClusterSpec(workers=16, servers=16, bandwidth_Bps=1e9, startup_s=1e-4)) == 1
+    assert fold_factor(ClusterSpec(workers=256, servers=128, bandwidth_Bps=1e9, startup_s=1e-4)) == 64
+    assert fold_factor(ClusterSpec(workers=36, servers=5, bandwidth_Bps=1e9, startup_s=1e-4)) == 9
+    assert fold_factor(ClusterSpec(workers=37, servers=37, bandwidth_Bps=1e9, startup_s=1e-4)) == 1  # prime
+    hosts = tuple(range(32)) + tuple(range(8))
+    assert fold_factor(ClusterSpec(workers=32, servers=8, bandwidth_Bps=1e9, startup_s=1e-4, hosts=hosts)) == 1
+
+
+@pytest.mark.parametrize("schedule", ["default", "wfbp", "priority", "mgwfbp"])
+@pytest.mark.parametrize("workers,servers", [(32, 32), (32, 8), (48, 12)])
+def test_fold_without_stagger_is_exact(schedule, workers, servers):
+    """Every worker pushes the same key at the same point: W/m workers, each push weighing m at its
+    server, give the times of simulating all W."""
+    cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e8, startup_s=1e-4,
+                          fabric_Bps=2e9)
+    folded = simulate(model(), cluster, schedule, timeline=False)
+    full = simulate(model(), cluster, schedule, timeline=False, fold_workers=False, groups=folded.groups)
+    assert folded.fold > 1 and full.fold == 1
+    assert folded.iteration_s == pytest.approx(full.iteration_s, rel=1e-9)
+
+
+def test_fold_with_stagger_is_an_upper_bound():
+    cluster = ClusterSpec(workers=32, servers=32, bandwidth_Bps=1.25e8, startup_s=1e-4)
+    folded = simulate(model(), cluster, "imerge", timeline=False, plan_search=False)
+    full = simulate(model(), cluster, "imerge", timeline=False, plan_search=False, fold_workers=False,
+                    groups=folded.groups, stagger=folded.plan.stagger)
+    assert folded.iteration_s >= full.iteration_s * (1 - 1e-9)
+
+
+def reference_place(load, link, nxt, server_hosts, pushers, nbytes):
+    """Placement.place written out the long way: every host link's bytes after each candidate server."""
+    order = [s % len(load) for s in range(nxt, nxt + len(load))]
+    options = {}
+    for s in order:
+        after, inbound = dict(link), 0
+        for host, count in pushers.items():
+            if host != server_hosts[s]:
+                after[host] = after.get(host, 0) + count * nbytes
+                inbound += count * nbytes
+        after[server_hosts[s]] = after.get(server_hosts[s], 0) + inbound
+        options[s] = after
+    best = min(order, key=lambda s: (max(options[s].values()), options[s][server_hosts[s]], load[s]))
+    return best, options[best]
+
+
+def test_link_aware_placement_matches_the_long_way():
+    rng = random.Random(7)
+    for _ in range(300):
+        servers, hosts = rng.randint(1, 8), rng.randint(1, 6)
+        server_hosts = [f"h{rng.randrange(hosts)}" for _ in range(servers)]
+        pushers = {f"h{h}": rng.randint(1, 3) for h in range(hosts) if rng.random() < 0.8} or {"h0": 1}
+        placement = Placement(servers, server_hosts, pushers)
+        for _ in range(30):
+            nbytes = rng.choice([4, 4096, rng.randint(1, 10**6)])
+            want, link = reference_place(placement.load, placement.link, placement.next, server_hosts, pushers,
+                                         nbytes)
+            assert placement.place(nbytes) == want
+            assert placement.link == link
