@@ -8,6 +8,7 @@ what it is (its kind, its description and root), so two ranks in different colle
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ._mpi import MPI
@@ -32,38 +33,95 @@ def collective(comm: MPI.Comm, op: str, value: Any, what: str, *, root: int = 0,
     ``op``: ``allgather`` (every rank's value, by rank), ``bcast`` (``root``'s value), ``gather``
     (the list on ``root``, None elsewhere), ``max`` (the largest value) or ``barrier`` (None).
     MPI's blocking collectives hang when a rank never arrives (dead, stopped, or on another code
-    path), and MPICH spins a core meanwhile. Here each value goes point to point by synchronous
-    send, polled with back-off (``spin_s``: how long to spin first) until ``timeout_s`` (default:
-    ``configure``'s); the error names ``what`` and the ``ranks`` (what ``comm``'s ranks are called)
-    that did not arrive.
+    path), and MPICH spins a core meanwhile. Here messages go point to point by synchronous send
+    over a binomial tree rooted at rank 0, polled with back-off (``spin_s``: how long to spin first)
+    until ``timeout_s`` (default: ``configure``'s); the error names ``what`` and the ``ranks`` (what
+    ``comm``'s ranks are called) that did not arrive.
 
-    Every rank sends one message to every other rank, whatever ``op`` is: the value where ``op``
-    delivers it, and always this call's identity (``op``, the root, and ``call``: how messages
-    name it, by default ``op`` and ``what``). So every rank learns what every other rank called,
-    and if any two differ every rank raises IMergeMismatchError naming its own call and the
-    others'. No message is left behind (the ranks stay in step) and no collective ever returns
-    another's value. Every rank must call the same collectives in the same order.
+    Up the tree every rank sends its parent this call's identity (``op``, the root, and ``call``:
+    how messages name it, by default ``op`` and ``what``) for itself and its subtree, with the values
+    the op needs at rank 0; down the tree rank 0 sends the verdict and the result. So a rank sends
+    and receives O(log W) messages in O(log W) steps, every rank learns whether all called the same
+    collective, and if any two differ every rank raises IMergeMismatchError naming its own call and
+    the others'. The tree is the same whatever the op and root, so a rank in another collective
+    still exchanges with the right peers. No message is left behind (the ranks stay in step) and no
+    collective ever returns another's value. Every rank must call the same collectives in the same order.
     """
     if op not in _VERBS:
         raise ValueError(f"IMerge internal: unknown collective {op!r}")
     me, size = comm.Get_rank(), comm.Get_size()
     mine = (op, call if call is not None else _describe(op, what), root if op in ("bcast", "gather") else None)
-    others = [r for r in range(size) if r != me]
-    with_value = MPI.pickle.dumps((mine, value))  # pickled once, sent to every peer that gets the value
-    without = MPI.pickle.dumps((mine, None))
-    sends = {r: comm.Issend([with_value if _delivers(op, me, r, root) else without, MPI.BYTE], dest=r,
-                            tag=TAG_COLLECTIVE) for r in others}
-    got = wait_for(comm, others, sends, TAG_COLLECTIVE, f"{op} of {what}", timeout_s, ranks, spin_s)
-    _check_same_call(mine, {r: tuple(identity) for r, (identity, _) in got.items()}, ranks)
-    values = {r: v for r, (_, v) in got.items()}
-    values[me] = value
+    parent, children = tree_links(me, size)
+    label = f"{op} of {what}"
+    # Up: {identity: [ranks]} and {rank: value} of this subtree (values only where rank 0 needs them).
+    calls: dict[tuple, list[int]] = {mine: [me]}
+    values: dict[int, Any] = {me: value} if _carries(op, me, root) else {}
+    if children:
+        got = wait_for(comm, children, {}, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s,
+                       subtree=lambda c: subtree(c, size))
+        for child in children:
+            their_calls, their_values = got[child]
+            for identity, who in their_calls.items():
+                calls.setdefault(tuple(identity), []).extend(who)
+            values.update(their_values)
+    if parent is not None:
+        _send_and_wait(comm, parent, (calls, values), label, timeout_s, ranks, spin_s)
+        verdict, result = wait_for(comm, [parent], {}, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)[parent]
+    else:
+        verdict = calls if len(calls) > 1 else None
+        result = _result(op, values, root, size) if verdict is None else None
+    # Down: the verdict, and the result where the subtree needs it (gather: only towards its root).
+    sends = {}
+    for child in children:
+        share = result if op != "gather" or root in subtree(child, size) else None
+        sends[child] = comm.Issend([MPI.pickle.dumps((verdict, share)), MPI.BYTE], dest=child, tag=TAG_COLLECTIVE)
+    if sends:
+        wait_for(comm, [], sends, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)
+    if verdict is not None:
+        _check_same_call(mine, {r: identity for identity, who in verdict.items() for r in who if r != me}, ranks)
+    if op == "gather":
+        return result if me == root else None
+    return result
+
+
+def tree_links(rank: int, size: int) -> tuple[int | None, list[int]]:
+    """``rank``'s parent (None for rank 0) and children in the binomial tree over ``size`` ranks."""
+    parent, children, mask = None, [], 1
+    while mask < size:
+        if rank & mask:
+            parent = rank - mask
+            break
+        if rank + mask < size:
+            children.append(rank + mask)
+        mask <<= 1
+    return parent, children
+
+
+def subtree(rank: int, size: int) -> list[int]:
+    """The ranks of ``rank``'s subtree in the binomial tree (itself and below)."""
+    low = rank & -rank if rank else 1 << max(0, (size - 1).bit_length())
+    return list(range(rank, min(size, rank + low)))
+
+
+def _carries(op: str, rank: int, root: int) -> bool:
+    """Whether ``rank``'s value travels up to rank 0 for collective ``op``."""
+    return op in ("allgather", "gather", "max") or (op == "bcast" and rank == root)
+
+
+def _result(op: str, values: dict[int, Any], root: int, size: int) -> Any:
     if op == "barrier":
         return None
     if op == "max":
         return max(values.values())
     if op == "bcast":
         return values[root]
-    return [values[r] for r in range(size)] if op == "allgather" or me == root else None
+    return [values[r] for r in range(size)]
+
+
+def _send_and_wait(comm: MPI.Comm, dest: int, payload: Any, label: str, timeout_s: float | None, ranks: str,
+                   spin_s: float | None) -> None:
+    request = comm.Issend([MPI.pickle.dumps(payload), MPI.BYTE], dest=dest, tag=TAG_COLLECTIVE)
+    wait_for(comm, [], {dest: request}, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)
 
 
 _VERBS = {"allgather": "an allgather of", "max": "a max of", "barrier": "a barrier:", "bcast": "a broadcast of",
@@ -73,15 +131,6 @@ _VERBS = {"allgather": "an allgather of", "max": "a max of", "barrier": "a barri
 def _describe(op: str, what: str) -> str:
     """How messages name a collective: ``a broadcast of worker 0's address``, ``barrier()``."""
     return what if op == "barrier" and "barrier" in what else f"{_VERBS[op]} {what}"
-
-
-def _delivers(op: str, sender: int, receiver: int, root: int) -> bool:
-    """Whether collective ``op`` delivers ``sender``'s value to ``receiver``."""
-    if op in ("allgather", "max"):
-        return True
-    if op == "bcast":
-        return sender == root
-    return op == "gather" and receiver == root
 
 
 def _check_same_call(mine: tuple, theirs: dict[int, tuple], ranks: str) -> None:
@@ -105,16 +154,18 @@ def _check_same_call(mine: tuple, theirs: dict[int, tuple], ranks: str) -> None:
 
 
 def wait_for(comm: MPI.Comm, sources: list[int], sends: dict[int, MPI.Request], tag: int, what: str,
-           timeout_s: float | None, ranks: str, spin_s: float | None = None) -> dict[int, Any]:
+             timeout_s: float | None, ranks: str, spin_s: float | None = None,
+             subtree: Callable[[int], list[int]] | None = None) -> dict[int, Any]:
     """One pickled message from each of ``sources`` and the end of each send (by destination),
-    polled with back-off; at the deadline IMergeTimeoutError naming the ranks still missing."""
+    polled with back-off; at the deadline IMergeTimeoutError naming the ranks still missing
+    (``subtree(r)``: the ranks a missing message from ``r`` stands for, e.g. a tree child's subtree)."""
     wait = DeadlineWait(_default_timeout_s if timeout_s is None else timeout_s, spin_s)
     waiting, got = list(sources), {}
     while waiting or sends:
         if _receive_arrived(comm, waiting, tag, got) | _retire_sends(sends):
             wait.reset()
         elif wait.expired():
-            missing = sorted(set(waiting) | set(sends))
+            missing = sorted({m for r in set(waiting) | set(sends) for m in (subtree(r) if subtree else [r])})
             raise record_fatal(IMergeTimeoutError(
                 f"{whoami()}: {what} did not complete within {wait.limit_s:.0f} s: {ranks}(s) {missing} did not "
                 "arrive (dead, stuck, or on another code path)"))
