@@ -381,22 +381,26 @@ def from_worker0(value: Any, what: str) -> Any:
     (seconds of simulation). MPICH's blocking ``bcast`` polls a core at full speed; on a host
     with more ranks than cores the waiting workers would starve worker 0's computation
     (``tests/test_handoff.py`` bounds the waiting workers' CPU). Here they wait with
-    back-off, and time out naming ``what`` instead of hanging if worker 0 never sends.
+    back-off, and time out naming ``what`` instead of hanging if worker 0 never sends. The value goes
+    down a binomial tree (``collectives.tree_links``): each worker passes it on to its children, so
+    worker 0 sends O(log W) messages, not W - 1.
     """
     topo = topology()
     if topo.num_workers == 1:
         return value
     comm = topo.worker_comm
-    if topo.worker_rank != 0:
+    parent, children = collectives.tree_links(topo.worker_rank, topo.num_workers)
+    if parent is not None:
         # Not fatal: nothing is left pending, and worker 0 may only be on another code path.
-        return _recv_with_timeout(comm, 0, TAG_DECISION, f"{what} from worker 0", fatal=False)
-    requests = [comm.isend(value, dest=r, tag=TAG_DECISION) for r in range(1, topo.num_workers)]
+        value = _recv_with_timeout(comm, parent, TAG_DECISION, f"{what} from worker 0 (through worker {parent})",
+                                   fatal=False)
+    requests = [comm.isend(value, dest=r, tag=TAG_DECISION) for r in children]
     wait = DeadlineWait(config().timeout_s)
     while requests:
         requests = [r for r in requests if not r.test()[0]]
         if requests and wait.expired():
-            raise record_fatal(IMergeTimeoutError(f"IMerge worker 0: {len(requests)} worker(s) did not take {what} "
-                                                  f"within {wait.limit_s:.0f} s"))
+            raise record_fatal(IMergeTimeoutError(f"IMerge worker {topo.worker_rank}: {len(requests)} worker(s) did "
+                                                  f"not take {what} within {wait.limit_s:.0f} s"))
         wait.idle()
     return value
 
