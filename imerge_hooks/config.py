@@ -77,6 +77,7 @@ class Config:
     timeline: str | None = None
     compression: str = "none"  # none | fp16 | bf16
     plan_search: bool = True  # optimal planner: score candidate plans with the simulator (plan/search.py)
+    plan_cache: bool = True  # keep chosen plans beside the cost-model cache and reuse them (plan/cache.py)
     polling: str = "auto"  # auto | spin | yield: how idle comm threads and servers wait (see polling.py)
     # While workers have joined (imerge_hooks.join()): "workers" divides every sum by the number of
     # workers (their missing pushes count as zeros: Horovod, DDP's Join), "active" by those that pushed.

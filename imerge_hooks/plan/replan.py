@@ -6,6 +6,7 @@ import logging
 
 from .. import runtime, streams
 from ..schedule import tail_group
+from .cache import load_plan, plan_key, plan_path, store_plan
 from .choice import choose_plan
 from .costmodel import CostModel, LinearModel, planner_model
 from .planner import Plan
@@ -66,16 +67,7 @@ class Replanner:
         self.model = cost_model_for(self.method) if topo.num_servers else LinearModel(0.0, 0.0)
         decision = None
         if topo.worker_rank == 0:
-            order = [i for i in self.profile.ready_order() if engine.trainable[i]]
-            sizes = [self.profile.sizes[i] for i in order]
-            ready = [self.profile.ready_times[i] for i in order]
-            dtypes = [self.profile.dtypes[i] for i in order]
-            names = [self.profile.names[i] for i in order]
-            result = choose_plan(sizes, ready, names, self.model, engine.cfg, topo.num_workers, topo.num_servers,
-                                 dtypes=dtypes, forward_times=self.profile.forward_times,
-                                 hosts=topo.host_indices, host_aggregation=topo.aggregate_in_host)
-            tail = self._tail_group([[order[j] for j in group] for group in result.groups])
-            decision = (order, result, tail)
+            decision = self._cached_or_chosen()
         order, result, tail = runtime.from_worker0(decision, f"the {self.method} plan")
         self.plan = result
         groups = [[order[j] for j in group] for group in result.groups]
@@ -85,6 +77,33 @@ class Replanner:
         if engine.cfg.plan_log and topo.worker_rank == 0:
             print(self.describe(order), flush=True)
         log.info("IMerge: %s plan with %d groups installed as plan epoch %d", self.method, len(groups), engine.epoch)
+
+    def _cached_or_chosen(self) -> tuple[list[int], Plan, int | None]:
+        """Worker 0: the plan kept for this model, cluster and cost model (``plan.cache``), or a new one."""
+        engine, topo, profile = self.engine, self.engine.topo, self.profile
+        cfg = engine.cfg
+        path = key = None
+        if cfg.plan_cache and self.method != "none":
+            table = list(zip(profile.names, profile.sizes, profile.dtypes, engine.trainable))
+            key = plan_key(table, cfg, topo.num_workers, topo.num_servers, topo.host_indices,
+                           topo.aggregate_in_host, self.model)
+            path = plan_path(runtime.config().cost_model_path, key)
+            kept = load_plan(path, key)
+            if kept is not None:
+                log.info("IMerge: %s plan from the plan cache %s (no search)", self.method, path)
+                return kept
+        order = [i for i in profile.ready_order() if engine.trainable[i]]
+        sizes = [profile.sizes[i] for i in order]
+        ready = [profile.ready_times[i] for i in order]
+        dtypes = [profile.dtypes[i] for i in order]
+        names = [profile.names[i] for i in order]
+        result = choose_plan(sizes, ready, names, self.model, cfg, topo.num_workers, topo.num_servers,
+                             dtypes=dtypes, forward_times=profile.forward_times,
+                             hosts=topo.host_indices, host_aggregation=topo.aggregate_in_host)
+        tail = self._tail_group([[order[j] for j in group] for group in result.groups])
+        if path is not None:
+            store_plan(path, key, order, result, tail)
+        return order, result, tail
 
     def _tail_group(self, groups: list[list[int]]) -> int | None:
         """Where the tail credit starts: one credit's round trip (cost model) before the last group is due."""
