@@ -558,6 +558,12 @@ class _Sim:
         self.fid = itertools.count()
         self.now = 0.0
         self.timeline: list[Event] = []
+        # Branch and bound (simulate's give_up_s): once every worker started iteration 1, past abort_at the
+        # steady iteration time is known to exceed give_up_s; the run stops there (gave_up).
+        self.give_up_s: float | None = None
+        self.first_started = 0
+        self.abort_at = math.inf
+        self.gave_up = False
         self.wtrack = [f"worker {r}" for r in range(W)]
         self.strack = [f"server {s}" for s in range(servers)]
 
@@ -575,6 +581,9 @@ class _Sim:
             t, _, code, payload = heapq.heappop(heap)
             if code == _EV_NET and payload != self.net_version:
                 continue  # superseded by a later rate computation
+            if t > self.abort_at and any(w.ptr < len(self.ops) for w in self.workers):
+                self.gave_up = True  # the last iteration cannot start by abort_at: slower than give_up_s
+                return
             if t < self.now - _EPS_T:  # an event scheduled in the past would run time backwards
                 raise RuntimeError(f"IMerge simulate internal: event {code} at {t:.6f} s is before now "
                                    f"({self.now:.6f} s)")
@@ -638,6 +647,11 @@ class _Sim:
             else:
                 if code == _FWD and layer == 0:
                     self.starts[r][it] = self.now
+                    if it == 1 and self.give_up_s is not None:
+                        self.first_started += 1
+                        if self.first_started == self.W:
+                            self.abort_at = (max(s[1] for s in self.starts)
+                                             + (self.iterations - 1) * self.give_up_s * (1.0 + 1e-9))
                 w.op_start = self.now
                 dur = self.fwd[layer] if code == _FWD else self.bwd[layer]
                 self._push_event(self.now + dur, _EV_COMPUTE, r)
@@ -1094,12 +1108,13 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
     sizes_r = [sizes[i] for i in order]
     ready_r = [ready_at[i] for i in order]
 
-    def score(cand: list[list[int]], partition: int, stagger: bool | None = None) -> float:
+    def score(cand: list[list[int]], partition: int, stagger: bool | None = None,
+              bound: float | None = None) -> float:
         return simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
                         partition_bytes=partition, credit_bytes=credit_bytes,
                         result_window_bytes=result_window_bytes, tail_credit_bytes=tail_credit_bytes,
                         cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
-                        stagger=stagger).iteration_s
+                        stagger=stagger, give_up_s=bound).iteration_s
 
     traits = SCHEDULE_TRAITS[schedule]
     return searched_plan(candidate_plans(sizes_r, ready_r, cost_model), score, sizes_r, ready_r, cost_model,
@@ -1128,7 +1143,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
-             plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True) -> SimResult:
+             plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True,
+             give_up_s: float | None = None) -> SimResult:
     """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
@@ -1147,6 +1163,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     candidate plans (:mod:`imerge_hooks.plan.search`) and keeps the fastest, as the engine
     does; False: the DP's plan alone (the search may also choose ``stagger``, as the engine's does).
     ``stagger``: as ``SchedulePolicy.stagger`` (None: as the schedule, or its searched plan, says).
+    ``give_up_s``: stop as soon as the steady iteration time is known to exceed this (a plan search's
+    bound: a candidate that cannot win need not finish); ``iteration_s`` is then ``inf``.
     ``fold_workers``: simulate the alike workers of a large cluster through a few that stand for
     them (``fold_factor``; ``SimResult.fold`` says how many each stands for, and the timeline then
     has tracks for those only); False: every worker and server.
@@ -1222,7 +1240,13 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                     push_after_backward=traits.push_after_backward,
                     overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
                     iterations=iterations, record=timeline, fold=fold)
+    if give_up_s is not None and iterations > 1:
+        sim.give_up_s = float(give_up_s)
     sim.run()
+    if sim.gave_up:
+        return SimResult(schedule=schedule, iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[],
+                         groups=groups, keys=keys, workers=cluster.workers, servers=cluster.servers, plan=plan_result,
+                         cost_model=used_model, fold=fold)
     starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
     per_iteration = [b - a for a, b in zip(starts, starts[1:])]
     steady = per_iteration[1:] if len(per_iteration) > 1 else per_iteration

@@ -148,7 +148,7 @@ def test_partition_sizes_and_search_logic():
     label_of = {len(g): label for label, g in cands}
     calls = []
 
-    def score(groups, partition):
+    def score(groups, partition, bound=None):
         calls.append((label_of[len(groups)], partition))
         return table.get(label_of[len(groups)], {}).get(partition, 1.0)
 
@@ -164,11 +164,11 @@ def test_partition_sizes_and_search_logic():
     assert len(calls) == 3
     # Another partition size must win by more than PARTITION_TOLERANCE (per-message CPU is not simulated).
     slight = {4 * MiB: 1.0, 2 * MiB: 1.0 - PARTITION_TOLERANCE / 2, MiB: 1.0 - PARTITION_TOLERANCE / 2}
-    best, _, partition, _ = search(cands[:1], lambda g, p: slight.get(p, 1.5), 4 * MiB, partitioned=True)
+    best, _, partition, _ = search(cands[:1], lambda g, p, bound=None: slight.get(p, 1.5), 4 * MiB, partitioned=True)
     assert partition == 4 * MiB
     # A later plan must beat an earlier one by more than the tie tolerance.
     tie = {"fused": 1.0, "pairs": 0.8, "unfused": 0.799}
-    best, *_ = search(cands, lambda g, p: tie[label_of[len(g)]], 4 * MiB, partitioned=False)
+    best, *_ = search(cands, lambda g, p, bound=None: tie[label_of[len(g)]], 4 * MiB, partitioned=False)
     assert best.label == "pairs"
 
 

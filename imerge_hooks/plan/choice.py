@@ -85,12 +85,14 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
     spec = model_spec_from_profile(sizes, ready, names, forward_times)
     n = len(sizes)
 
-    def score(groups: list[list[int]], partition: int, stagger: bool | None = None) -> float:
+    def score(groups: list[list[int]], partition: int, stagger: bool | None = None,
+              bound: float | None = None) -> float:
         # The spec's tensor t (registration order) is ready-order position n-1-t.
         return simulate(spec, cluster, cfg.schedule, partition_bytes=partition, credit_bytes=cfg.credit_bytes,
                         result_window_bytes=cfg.result_window_bytes, tail_credit_bytes=cfg.tail_credit_bytes,
                         cost_model=cost_model, iterations=3, overlap_forward=cfg.overlap, timeline=False,
-                        groups=[[n - 1 - i for i in g] for g in groups], stagger=stagger).iteration_s
+                        groups=[[n - 1 - i for i in g] for g in groups], stagger=stagger,
+                        give_up_s=bound).iteration_s
 
     chosen, scored = searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready,
                                    cost_model, cfg.partition_bytes, cfg.traits.partition,

@@ -121,15 +121,20 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
     alternate: the best plan at neighbouring partition sizes, and every plan again at the size
     that won, until neither the size nor the plan changes (at most ``SEARCH_ROUNDS`` times).
     Plan and partition size interact: the best plan at one size need not be the best at another
-    (``IMERGE_PLAN_LOG=1`` prints every pair simulated). Returns the winner, every plan's score at
-    the chosen size, the size and a one-line explanation."""
+    (``IMERGE_PLAN_LOG=1`` prints every pair simulated). ``score(groups, size, bound=None)`` may stop
+    and return ``inf`` once the score is known to exceed ``bound``: what a candidate must beat to win
+    (branch and bound; the winner is the same). Returns the winner, every plan's score at the chosen
+    size (``inf``: lost before the end), the size and a one-line explanation."""
     cache: dict[tuple[int, int], float] = {}
 
     def rank(size: int) -> list[Candidate]:
-        out = []
+        out: list[Candidate] = []
         for i, (label, groups) in enumerate(candidates):
             if (i, size) not in cache:
-                cache[(i, size)] = score(groups, size)
+                # Branch and bound: a candidate must beat the best so far by TIE_TOLERANCE to win, so its
+                # simulation may stop once it cannot (inf: lost); the choice is the same as without.
+                bound = pick(out).iteration_s * (1.0 - TIE_TOLERANCE) if out else None
+                cache[(i, size)] = score(groups, size, bound=bound)
             out.append(Candidate(label, groups, cache[(i, size)]))
         return out
 
@@ -144,7 +149,9 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
             tried = []
             for size in sizes:
                 if (at, size) not in cache:
-                    cache[(at, size)] = score(best.groups, size)
+                    bound = pick(tried, PARTITION_TOLERANCE).iteration_s * (1.0 - PARTITION_TOLERANCE) if tried \
+                        else None
+                    cache[(at, size)] = score(best.groups, size, bound=bound)
                 tried.append(Candidate(f"{size >> 10} KiB", best.groups, cache[(at, size)]))
             sizes_note = "; partitions: " + ", ".join(f"{c.label} {c.iteration_s * 1e3:.2f} ms" for c in tried)
             size = sizes[tried.index(pick(tried, PARTITION_TOLERANCE))]
@@ -178,12 +185,13 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     comm-bound backward can stay on the servers until its end (``docs/architecture.md``,
     "Stagger"). Without stagger must win by ``PARTITION_TOLERANCE``; the Plan records the choice
     (``stagger``)."""
-    best, scored, partition, note = search(candidates, (lambda g, p: score(g, p, True)) if staggered else score,
-                                           partition_bytes, partitioned)
+    best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
+                                           if staggered else score, partition_bytes, partitioned)
     stagger = None
     if staggered:
         unstaggered, _, unstaggered_partition, _ = search([(best.label, best.groups)],
-                                                          lambda g, p: score(g, p, False), partition, partitioned)
+                                                          lambda g, p, bound=None: score(g, p, False, bound=bound),
+                                                          partition, partitioned)
         stagger = not unstaggered.iteration_s < best.iteration_s * (1.0 - PARTITION_TOLERANCE)
         if not stagger:
             best, partition = unstaggered, unstaggered_partition
