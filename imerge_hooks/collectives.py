@@ -8,6 +8,7 @@ what it is (its kind, its description and root), so two ranks in different colle
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,9 @@ def collective(comm: MPI.Comm, op: str, value: Any, what: str, *, root: int = 0,
     mine = (op, call if call is not None else _describe(op, what), root if op in ("bcast", "gather") else None)
     parent, children = tree_links(me, size)
     label = f"{op} of {what}"
+    # First a notice to each child: a worker waiting in join() (or elsewhere) sees that a collective
+    # started above it at once, instead of its parent waiting for it until the deadline.
+    notices = {child: comm.Issend([_NOTICE, MPI.BYTE], dest=child, tag=TAG_COLLECTIVE) for child in children}
     # Up: {identity: [ranks]} and {rank: value} of this subtree (values only where rank 0 needs them).
     calls: dict[tuple, list[int]] = {mine: [me]}
     values: dict[int, Any] = {me: value} if _carries(op, me, root) else {}
@@ -66,17 +70,20 @@ def collective(comm: MPI.Comm, op: str, value: Any, what: str, *, root: int = 0,
             values.update(their_values)
     if parent is not None:
         _send_and_wait(comm, parent, (calls, values), label, timeout_s, ranks, spin_s)
+        wait_for(comm, [parent], {}, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)  # the parent's notice
         verdict, result = wait_for(comm, [parent], {}, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)[parent]
     else:
         verdict = calls if len(calls) > 1 else None
         result = _result(op, values, root, size) if verdict is None else None
     # Down: the verdict, and the result where the subtree needs it (gather: only towards its root).
+    # (MPI keeps one sender's messages in order: each child takes its notice before this.)
     sends = {}
     for child in children:
         share = result if op != "gather" or root in subtree(child, size) else None
         sends[child] = comm.Issend([MPI.pickle.dumps((verdict, share)), MPI.BYTE], dest=child, tag=TAG_COLLECTIVE)
     if sends:
         wait_for(comm, [], sends, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)
+        wait_for(comm, [], notices, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)
     if verdict is not None:
         _check_same_call(mine, {r: identity for identity, who in verdict.items() for r in who if r != me}, ranks)
     if op == "gather":
@@ -122,6 +129,9 @@ def _send_and_wait(comm: MPI.Comm, dest: int, payload: Any, label: str, timeout_
                    spin_s: float | None) -> None:
     request = comm.Issend([MPI.pickle.dumps(payload), MPI.BYTE], dest=dest, tag=TAG_COLLECTIVE)
     wait_for(comm, [], {dest: request}, TAG_COLLECTIVE, label, timeout_s, ranks, spin_s)
+
+
+_NOTICE = pickle.dumps(("collective",))  # the notice a collective's first message down the tree carries
 
 
 _VERBS = {"allgather": "an allgather of", "max": "a max of", "barrier": "a barrier:", "bcast": "a broadcast of",
