@@ -357,7 +357,7 @@ class SimResult:
     servers: int
     plan: Plan | None = None  # the planner's output (ready-order indices), planned schedules only
     cost_model: Any = None  # the model the plan was made with
-    fold: int = 1  # each simulated worker and server stood for this many (``fold_factor``)
+    fold: int = 1  # each simulated worker stood for this many (``fold_factor``)
 
     @property
     def server_push_bytes(self) -> list[int]:
@@ -475,10 +475,10 @@ class _Sim:
                  share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
                  tail_credit: int | None = None, worker_message: float = 0.0, hosts: Sequence[int] | None = None,
                  aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9,
-                 key_mult: Sequence[float] | None = None) -> None:
+                 fold: int = 1) -> None:
         self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
-        # Folding (fold_factor): key k's pushes stand for this many pushes at its server (link and work).
-        self.key_mult = list(key_mult) if key_mult is not None else [1.0] * len(key_bytes)
+        # Folding (fold_factor): each push and result stands for this many at its server (link and work).
+        self.fold = float(fold)
         self.host = list(hosts) if hosts is not None else list(range(workers + servers))
         self.H = max(self.host) + 1
         self.local_B, self.reduce_rate = float(local_bandwidth), float(reduce_rate)
@@ -739,7 +739,7 @@ class _Sim:
             windows.started(nbytes, w.key_order[k], self.now)
             s = self.key_server[k]
             m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + s),
-                     coefs=(1.0, self.key_mult[k]))
+                     coefs=(1.0, self.fold))
             if self.worker_message > 0.0:
                 self._push_event(self._thread_slot(r), _EV_POSTED, m)
             else:
@@ -761,7 +761,7 @@ class _Sim:
         nbytes = self.key_bytes[k]
         for worker in self.key_pushers.pop(k):
             self._send(_Msg(False, worker, s, k, nbytes, self.links(self.W + s, worker), "", (self.W + s, worker),
-                            coefs=(self.key_mult[k], 1.0)))
+                            coefs=(self.fold, 1.0)))
 
     def _delivered(self, m: _Msg) -> None:
         if m.kind:
@@ -787,7 +787,7 @@ class _Sim:
             self._pump(m.worker)
             s = m.server
             start = max(self.now, self.cpu_free[s])
-            end = start + self.startup * self.key_mult[m.key]
+            end = start + self.startup * self.fold
             self.cpu_free[s] = end
             if self.record and end > start:
                 self.timeline.append(Event(self.strack[s], f"sum key {m.key} from worker {m.worker}",
@@ -1055,13 +1055,11 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
               iterations: int, record: bool, fold: int = 1) -> _Sim:
     """The event loop for ``cluster``, its workers folded by ``fold`` (``fold_factor``): W/fold workers,
     every push and result standing for ``fold`` at its server, the fabric carrying 1/fold of the traffic."""
-    servers = cluster.servers
     fabric = None if cluster.fabric_Bps is None else cluster.fabric_Bps / fold
-    key_mult = [float(fold)] * len(keys) if fold > 1 else None
     return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
                 group_keys=group_keys, key_bytes=[k.nbytes for k in keys],
                 key_server=[k.server for k in keys],
-                workers=cluster.workers // fold, servers=servers, bandwidth=cluster.bandwidth_Bps,
+                workers=cluster.workers // fold, servers=cluster.servers, bandwidth=cluster.bandwidth_Bps,
                 startup=cluster.startup_s, priority=priority, stagger=stagger, credit=credit,
                 result_window=result_window,
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
@@ -1069,7 +1067,7 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
                 worker_message=cluster.worker_message_s, hosts=None if fold > 1 else cluster.rank_hosts,
                 aggregate=cluster.aggregates, local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps,
-                key_mult=key_mult)
+                fold=fold)
 
 
 # ---------------------------------------------------------------------------------- public API
