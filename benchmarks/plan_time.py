@@ -28,26 +28,20 @@ PROFILES = ("alexnet", "resnet18", "resnet50", "vgg16", "synthetic")
 
 
 def cell(profile: str, workers: int, servers: int) -> dict:
-    import itertools
-
-    from benchmarks.plans import tensor_names
+    from benchmarks.calibrate_budget import profile_inputs
     from imerge_hooks.config import Config
     from imerge_hooks.plan.choice import choose_plan
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, calibrate_model, simulate
 
     path = REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json"
     spec = ModelSpec.from_profile_json(path)
-    names = tensor_names(json.loads(path.read_text()))
-    sizes = spec.tensor_bytes
-    suffix = list(itertools.accumulate(reversed([layer.backward_s for layer in spec.layers])))[::-1]
-    ready = [suffix[i] for i, layer in enumerate(spec.layers) for _ in layer.param_bytes]
+    sizes, ready, names = profile_inputs(path)  # ready order: the last layer's tensors first
     order = list(reversed(range(len(sizes))))
     cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e9, startup_s=2e-4)
     model = calibrate_model(cluster)
     cfg = Config(schedule="imerge")
     cpu, wall = time.process_time(), time.perf_counter()
-    chosen = choose_plan([sizes[i] for i in order], [ready[i] for i in order], [names[i] for i in order], model,
-                         cfg, workers, servers)
+    chosen = choose_plan(sizes, ready, names, model, cfg, workers, servers)
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     groups = [[order[j] for j in g] for g in chosen.groups]
     sim_start = time.perf_counter()
