@@ -66,8 +66,8 @@ def test_one_worker_per_host(tmp_path):
 def test_next_forward_overlaps_the_slow_last_group(tmp_path):
     """With slow servers the front layers of the next forward run on the GPU before the big last
     layer's group arrives, and only that layer's pre-hook waits (event order, not wall-clock)."""
-    run = run_mpi(SCRIPT, 3, str(tmp_path), "--checks", "overlap", servers=1, timeout=200,
-                  env={**ENV, "IMERGE_RECORD_EVENTS": "1", "IMERGE_DEBUG_DELAY_PER_MB_S": "0.5"}).check()
+    run = run_mpi(Path(__file__).parent.parent / "scripts" / "overlap_order.py", 3, "--device", "cuda", servers=1,
+                  timeout=200, env={**ENV, "IMERGE_RECORD_EVENTS": "1", "IMERGE_DEBUG_DELAY_PER_MB_S": "0.5"}).check()
     events = json.loads(run.lines(0, "EVENTS")[0])
     forwards = [name for kind, name, _ in events if kind == "forward"]
     assert forwards == ["0", "2", "4", "6"], events

@@ -1,12 +1,13 @@
 """The GPU checks, several per launch (a CUDA start-up costs seconds per rank).
 
-Usage: python cuda_checks.py OUTDIR --checks optimizer,ddp-hook,lightning,stale,memory,overlap
+Usage: python cuda_checks.py OUTDIR --checks optimizer,ddp-hook,lightning,stale,memory
        [--schedules default,wfbp,...] [--device cuda|cpu]
 
 Workers train on their bound GPU (``init()`` binds worker r of a host to its local rank; the
 tests let workers share one GPU). Worker 0 trains the same model single-process on the full
 batch on the same device and prints ``RESULT <check> <max |difference|>``; other lines:
-``MEMORY``, ``EVENTS``. ``--device cpu`` runs the same checks on CPU (to try the script without a GPU).
+``MEMORY``, ``READY``. The overlap check is ``tests/scripts/overlap_order.py --device cuda``.
+``--device cpu`` runs the same checks on CPU (to try the script without a GPU).
 """
 
 from __future__ import annotations
@@ -215,33 +216,8 @@ def check_memory() -> None:
     say("MEMORY", json.dumps({str(k): v for k, v in marks.items()}))
 
 
-def check_overlap() -> None:
-    """Front layers are small, the last one large and the servers slow: the next forward's first
-    layers run before the last layer's group arrives, and only that layer waits (event order)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4096), nn.Tanh(),
-                          nn.Linear(4096, 256)).to(device)
-    opt = imh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                   named_parameters=model.named_parameters(), schedule="priority",
-                                   overlap_forward=True, partition_bytes=1 << 20)
-    engine = opt._imerge_engine
-    names = {id(m): n for n, m in model.named_modules()}
-    for module in model:
-        if isinstance(module, nn.Linear):
-            module.register_forward_pre_hook(lambda m, _a: engine.events.append(("forward", names[id(m)], 0, None)))
-    x = torch.randn(4, 8, device=device)
-    for _ in range(4):
-        opt.zero_grad()
-        engine.events.clear()
-        model(x).square().mean().backward()
-        opt.step()
-    events = [(kind, name, detail) for kind, name, _, detail in engine.events]
-    opt.synchronize()
-    say("EVENTS", json.dumps(events))
-
-
 CHECKS = {"optimizer": check_optimizer, "stale": check_stale, "ddp-hook": check_ddp_hook,
-          "lightning": check_lightning, "memory": check_memory, "overlap": check_overlap}
+          "lightning": check_lightning, "memory": check_memory}
 for name in args.checks.split(","):
     CHECKS[name]()
 say("DONE", os.environ.get("IMERGE_HOST", ""))
