@@ -77,6 +77,10 @@ class Config:
     timeline: str | None = None
     compression: str = "none"  # none | fp16 | bf16
     plan_search: bool = True  # optimal planner: score candidate plans with the simulator (plan/search.py)
+    # Worker 0's CPU seconds for the plan search before training goes on with the DP's plan and the
+    # search finishes in a background process, installed as a later plan epoch (plan/background.py).
+    # None: search in the foreground to the end.
+    plan_search_budget_s: float | None = 2.0
     plan_cache: bool = True  # keep chosen plans beside the cost-model cache and reuse them (plan/cache.py)
     polling: str = "auto"  # auto | spin | yield: how idle comm threads and servers wait (see polling.py)
     # While workers have joined (imerge_hooks.join()): "workers" divides every sum by the number of
@@ -113,6 +117,8 @@ class Config:
                 raise ValueError(f"IMerge: {name} must be positive or None (off), got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
+        if self.plan_search_budget_s is not None and self.plan_search_budget_s < 0:
+            raise ValueError(f"IMerge: plan_search_budget_s must be >= 0 or None, got {self.plan_search_budget_s}")
         if self.polling not in ("auto", "spin", "yield"):
             raise ValueError(f"IMerge: polling must be auto, spin or yield, got {self.polling!r}")
         if self.join_divisor not in ("workers", "active"):
@@ -173,5 +179,5 @@ def parse_value(text: str, type_name: Any) -> Any:
     if type_text.startswith("int"):
         return None if text.strip().lower() in ("", "none") and "None" in type_text else int(text)
     if type_text.startswith("float"):
-        return float(text)
+        return None if text.strip().lower() in ("", "none") and "None" in type_text else float(text)
     return text

@@ -162,7 +162,7 @@ class GradientEngine:
             from .plan.replan import Replanner
 
             self.listeners.remove(self.replanner)
-            self.replanner.profiler.close()  # an unfinished profile leaves global module hooks
+            self.replanner.close()  # an unfinished profile leaves global module hooks; a search stops
             self.replanner = Replanner(self)
             self.listeners.append(self.replanner)
         log.info("IMerge worker %d: trainable parameters changed (%d unfrozen); plan epoch %d",
@@ -585,7 +585,10 @@ class GradientEngine:
     # ------------------------------------------------------------------ overlap with the next forward
     def can_defer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this ``step()`` may be applied during the next forward (else it runs now)."""
-        profiling = self.replanner is not None and not self.replanner.profiler.done
+        # Profiling, and the iterations where a background plan search may install its plan, end at a
+        # synchronous step: the plan listener runs there (the same iterations on every worker).
+        profiling = self.replanner is not None and (not self.replanner.profiler.done
+                                                    or self.replanner.boundary_due(self.iteration + 1))
         learned = self._learner is not None and self._learner.learned
         if not (self.cfg.overlap and learned and not profiling and self.pending_gradients
                 and not self.trainable_changed()):
@@ -764,7 +767,7 @@ class GradientEngine:
             AccessGuard.release()
             self._learner = None
         if self.replanner is not None:
-            self.replanner.profiler.close()
+            self.replanner.close()
         runtime.remove_callbacks(self.flush_deferred, self._finish_before_join, self._take_parameters_of,
                                 self.shadow_round)
         for group in self.groups:

@@ -89,6 +89,7 @@ import math
 import numbers
 import os
 import random
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -106,7 +107,7 @@ from .config import (
 from .layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys, key_owner, link_bytes
 from .plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from .plan.planner import Plan, plan
-from .plan.search import candidate_plans, searched_plan
+from .plan.search import SearchBudgetSpent, candidate_plans, searched_plan
 from .schedule import ReadyQueue, SendWindows, key_slots, shared_order, tail_group
 from .timeline import dump_trace, lane_metadata, span_event, track_metadata
 
@@ -564,6 +565,7 @@ class _Sim:
         self.first_started = 0
         self.abort_at = math.inf
         self.gave_up = False
+        self.cpu_deadline: float | None = None  # this thread's CPU time (time.thread_time) to stop at
         self.wtrack = [f"worker {r}" for r in range(W)]
         self.strack = [f"server {s}" for s in range(servers)]
 
@@ -572,7 +574,12 @@ class _Sim:
         for r in range(self.W):
             self._advance(r)
         heap = self.heap
+        deadline = self.cpu_deadline
+        events = 0
         while True:
+            events += 1
+            if deadline is not None and not events & 1023 and time.thread_time() > deadline:
+                raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
             # Flow rates are recomputed once per batch of simultaneous events.
             if self.net_dirty and (not heap or heap[0][0] > self.now + _EPS_T):
                 self._reschedule_net()
@@ -1142,7 +1149,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
              plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True,
-             give_up_s: float | None = None) -> SimResult:
+             give_up_s: float | None = None, cpu_deadline: float | None = None) -> SimResult:
     """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
@@ -1163,6 +1170,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     ``stagger``: as ``SchedulePolicy.stagger`` (None: as the schedule, or its searched plan, says).
     ``give_up_s``: stop as soon as the steady iteration time is known to exceed this (a plan search's
     bound: a candidate that cannot win need not finish); ``iteration_s`` is then ``inf``.
+    ``cpu_deadline``: raise :class:`imerge_hooks.plan.search.SearchBudgetSpent` once the calling
+    thread's CPU time (``time.thread_time()``) passes this (a plan search's budget).
     ``fold_workers``: simulate the alike workers of a large cluster through a few that stand for
     them (``fold_factor``; ``SimResult.fold`` says how many each stands for, and the timeline then
     has tracks for those only); False: every worker and server.
@@ -1240,6 +1249,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                     iterations=iterations, record=timeline, fold=fold)
     if give_up_s is not None and iterations > 1:
         sim.give_up_s = float(give_up_s)
+    sim.cpu_deadline = cpu_deadline
     sim.run()
     if sim.gave_up:
         return SimResult(schedule=schedule, iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[],

@@ -72,3 +72,20 @@ def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_mo
         for opt in ("sgd", "adam"):
             got = torch.load(str(out).format(schedule=schedule, optimizer=opt))
             assert max_diff(got, reference_train(opt, 6)) <= TOL, (schedule, opt)
+
+
+def test_plan_from_a_background_search_is_installed_as_a_later_epoch(tmp_path, cost_model_dir):
+    """A zero CPU budget: the DP's plan is installed after profiling while the search runs in a
+    background process; its plan comes at a later iteration boundary on every worker, and training
+    across both plan changes matches full-batch training."""
+    out = tmp_path / "final.pt"
+    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json"),
+           "IMERGE_PLAN_LOG": "1", "IMERGE_PLAN_CACHE": "0", "IMERGE_PLAN_SEARCH_BUDGET_S": "0"}
+    run = run_mpi(SCRIPT, 4, str(out), "--schedule", "imerge", "--optimizer", "adam", "--steps", "6",
+                  "--profile-steps", "3", "--until-planned", servers=2, env=env, timeout=300).check()
+    interim = run.stdout.index("the DP's plan, while the search runs in the background")
+    assert run.stdout.index("chosen by simulation") > interim, run.stdout[-3000:]
+    steps = {int(line.split()[-1]) for line in run.stdout.splitlines() if " STEPS " in line}
+    assert len(steps) == 1 and 6 <= steps.pop() < 2000, run.stdout[-3000:]
+    final = int([line for line in run.stdout.splitlines() if "@0 STEPS" in line][0].split()[-1])
+    assert max_diff(torch.load(out), reference_train("adam", final)) <= TOL

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 
 from ..config import Config
 from ..simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
 from .costmodel import CostModel, LinearModel, PSModel
-from .planner import Plan, plan
-from .search import Candidate, candidate_plans, searched_plan
+from .planner import Plan, plan, simulate_fifo
+from .search import Candidate, SearchBudgetSpent, candidate_plans, searched_plan
 
 log = logging.getLogger("imerge")
 
@@ -70,29 +71,44 @@ def cluster_for(model: CostModel, workers: int, servers: int, hosts: Sequence[in
 def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
                 cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
                 forward_times: Mapping[str, float] | None = None, hosts: Sequence[int] | None = None,
-                host_aggregation: bool = True) -> tuple[Plan, list[Candidate]]:
+                host_aggregation: bool = True, cpu_budget_s: float | None = None) -> tuple[Plan, list[Candidate]]:
     """The fastest of the candidate plans under the simulator, and every candidate's score.
 
     Tensors are given in ready order (``sizes`` bytes, ``ready`` seconds, ``names``);
     ``cfg`` supplies the schedule's traits, partition and credit sizes and overlap. The
     returned Plan has the FIFO-model start/end times of the chosen groups (as every plan),
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and a
-    ``note`` that says which candidate won and why.
+    ``note`` that says which candidate won and why. ``cpu_budget_s``: raise
+    :class:`SearchBudgetSpent` once the search has used this much of the calling thread's CPU.
     """
+    deadline = None if cpu_budget_s is None else time.thread_time() + cpu_budget_s
     cluster = cluster_for(cost_model, workers, servers, hosts, host_aggregation)
     if cluster is None or len(sizes) < 2:
         return plan(sizes, ready, cost_model, "optimal", dtypes=dtypes), []
     spec = model_spec_from_profile(sizes, ready, names, forward_times)
     n = len(sizes)
 
+    best: list = []  # (score, groups, partition, stagger) of the fastest plan simulated so far
+
     def score(groups: list[list[int]], partition: int, stagger: bool | None = None,
               bound: float | None = None) -> float:
+        if deadline is not None and time.thread_time() > deadline:
+            raise _spent(cpu_budget_s, best, sizes, ready, cost_model, cfg)
+        try:
+            seconds = _simulated(groups, partition, stagger, bound)
+        except SearchBudgetSpent:
+            raise _spent(cpu_budget_s, best, sizes, ready, cost_model, cfg) from None
+        if not best or seconds < best[0]:
+            best[:] = [seconds, groups, partition, stagger]
+        return seconds
+
+    def _simulated(groups: list[list[int]], partition: int, stagger: bool | None, bound: float | None) -> float:
         # The spec's tensor t (registration order) is ready-order position n-1-t.
         return simulate(spec, cluster, cfg.schedule, partition_bytes=partition, credit_bytes=cfg.credit_bytes,
                         result_window_bytes=cfg.result_window_bytes, tail_credit_bytes=cfg.tail_credit_bytes,
                         cost_model=cost_model, iterations=3, overlap_forward=cfg.overlap, timeline=False,
                         groups=[[n - 1 - i for i in g] for g in groups], stagger=stagger,
-                        give_up_s=bound).iteration_s
+                        give_up_s=bound, cpu_deadline=deadline).iteration_s
 
     chosen, scored = searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready,
                                    cost_model, cfg.partition_bytes, cfg.traits.partition,
@@ -101,15 +117,31 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
     return chosen, scored
 
 
+def _spent(budget: float | None, best: list, sizes: Sequence[int], ready: Sequence[float], cost_model: CostModel,
+           cfg: Config) -> SearchBudgetSpent:
+    """The budget ran out: the exception carries the fastest plan simulated so far (``best``), if any."""
+    spent = SearchBudgetSpent(f"IMerge: the plan search used its {budget:g} s of CPU")
+    if best:
+        seconds, groups, partition, stagger = best
+        starts, ends = simulate_fifo(groups, [float(x) for x in sizes], [float(t) for t in ready], cost_model)
+        spent.best = Plan(groups=groups, predicted_end=ends[-1], method="optimal", group_start=starts,
+                          group_end=ends, partition_bytes=partition if cfg.traits.partition else None, stagger=stagger,
+                          note=f"the fastest plan simulated within the budget ({seconds * 1e3:.2f} ms/iteration), "
+                               "while the search runs in the background")
+    return spent
+
+
 def choose_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[str], cost_model: CostModel,
                 cfg: Config, workers: int, servers: int, *, dtypes: Sequence[str] | None = None,
                 forward_times: Mapping[str, float] | None = None, hosts: Sequence[int] | None = None,
-                host_aggregation: bool = True) -> Plan:
+                host_aggregation: bool = True, cpu_budget_s: float | None = None) -> Plan:
     """The plan the engine installs: simulation-scored for the ``optimal`` planner when
-    ``cfg.plan_search`` is on, otherwise the schedule's planner method as is."""
+    ``cfg.plan_search`` is on, otherwise the schedule's planner method as is. ``cpu_budget_s``: as
+    :func:`search_plan` (raises :class:`SearchBudgetSpent`)."""
     method = cfg.traits.planner
     if method == "optimal" and cfg.plan_search and servers > 0:
         return search_plan(sizes, ready, names, cost_model, cfg, workers, servers, dtypes=dtypes,
-                           forward_times=forward_times, hosts=hosts, host_aggregation=host_aggregation)[0]
+                           forward_times=forward_times, hosts=hosts, host_aggregation=host_aggregation,
+                           cpu_budget_s=cpu_budget_s)[0]
     return plan(sizes, ready, cost_model, method, fusion_threshold_bytes=cfg.fusion_threshold_bytes,
                 dtypes=dtypes)

@@ -45,6 +45,14 @@ TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by
 PARTITION_TOLERANCE = 0.02
 
 
+class SearchBudgetSpent(Exception):
+    """A plan search ran past its CPU budget (``Config.plan_search_budget_s``): the engine installs the
+    fastest plan it simulated so far (``best``; None if none finished) for now and finishes the search
+    in a background process (``plan.background``)."""
+
+    best: Plan | None = None
+
+
 class StartupScaled:
     """``T(m)`` with its startup scaled by ``factor``: ``max(T(m) - (1-factor)*T(0), T(m)*factor)``."""
 

@@ -1,14 +1,16 @@
 """Train SmallCNN with imerge_hooks.DistributedOptimizer (or DDP over imerge's worker group).
 
 Usage: python train_optimizer.py OUT --schedule wfbp[,default,...] --optimizer sgd[,adam,...] [--steps 5]
-       [--unused] [--passes 2] [--ddp] [--scheduler] [--state-at K] [--compression fp16]
+       [--unused] [--passes 2] [--ddp] [--scheduler] [--state-at K] [--compression fp16] [--until-planned]
 Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches);
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
-that path + ".mid".
+that path + ".mid". --until-planned: after --steps, go on stepping (a little slower) while a
+background plan search is pending (every worker knows the same), at most 2000 steps; says STEPS n.
 """
 
 import argparse
+import time
 
 import torch
 from common import batch, loss_fn, make_model, make_optimizer, say, shard
@@ -27,6 +29,7 @@ parser.add_argument("--scheduler", action="store_true", help="StepLR stepped eve
 parser.add_argument("--profile-steps", type=int, default=None)
 parser.add_argument("--compression", default=None)
 parser.add_argument("--state-at", type=int, default=None, help="save model+optimizer state after this step")
+parser.add_argument("--until-planned", action="store_true", help="step on while a background plan search runs")
 args = parser.parse_args()
 
 imh.init()
@@ -47,7 +50,10 @@ def run(schedule: str, opt_name: str, out: str) -> None:
                                        compression=args.compression)
         imh.broadcast_parameters(model.state_dict(), root_rank=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
-    for step in range(args.steps):
+    step = 0
+    while step < args.steps or (args.until_planned and opt._imerge_engine.replanner.pending and step < 2000):
+        if step >= args.steps:
+            time.sleep(0.02)
         opt.zero_grad()
         x, y = batch(step)
         x, y = shard(x, rank, world), shard(y, rank, world)
@@ -61,10 +67,12 @@ def run(schedule: str, opt_name: str, out: str) -> None:
             snapshot = {"optimizer": opt.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
             if rank == 0:
                 torch.save(snapshot, out + ".mid")
+        step += 1
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
     if not args.ddp:
         say(rank, "KEYBYTES", sum(k.nbytes for g in opt._imerge_engine.groups for k in g.keys))
+    say(rank, "STEPS", step)
     say(rank, "done", schedule, opt_name)
 
 
