@@ -11,7 +11,7 @@ from typing import Any
 # option belongs to one engine (DistributedOptimizer, IMergeHookState, IMergeStrategy's optimizers).
 PROCESS_OPTIONS = frozenset({"num_servers", "timeout_s", "stall_warning_s", "polling", "cost_model_path",
                              "calibrate", "timeline", "debug_delay_per_mb_s", "host_aggregation",
-                             "servers_per_host", "share_gpus", "cuda_aware_mpi"})
+                             "servers_per_host", "share_gpus", "cuda_aware_mpi", "master_interface"})
 SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
 
 
@@ -96,6 +96,9 @@ class Config:
     # Device buffers go to MPI directly where the MPI is CUDA-aware (None: ask the library,
     # MPIX_Query_cuda_support; False: always stage through pinned host memory)
     cuda_aware_mpi: bool | None = None
+    # The interface whose address is the workers' torch.distributed rendezvous when workers span hosts
+    # (as GLOO_SOCKET_IFNAME; MASTER_ADDR overrides it). None: the address sharing a network with every host.
+    master_interface: str | None = None
     # For tests: engines record (event, module, time, detail) of the overlap in ``engine.events``;
     # servers hold every result this many seconds per MB (not calibration keys) before sending it.
     record_events: bool = False

@@ -8,12 +8,11 @@ import hashlib
 import itertools
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any
 
-from . import collectives, devices, polling
+from . import collectives, devices, polling, rendezvous
 from ._mpi import MPI, ensure_initialized
 from .collectives import collective
 from .comm import CommThread
@@ -53,6 +52,8 @@ class _State:
         self.clients = itertools.count()
         self.process_group: Any = None
         self.own_process_group = False
+        self.store = None  # worker 0: the workers' torch.distributed store it serves (rendezvous)
+        self.store_socket = None
         self.master: tuple[str, int] | None = None  # the workers' torch.distributed rendezvous (worker 0)
         self.shut_down = False
         self.flush_callbacks: list = []
@@ -533,7 +534,8 @@ def _collective_sender(comm: MPI.Comm) -> int | None:
 
 
 # ---------------------------------------------------------------------- torch.distributed
-TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_USE_AGENT_STORE")
 
 
 def torch_env() -> dict[str, str]:
@@ -543,7 +545,8 @@ def torch_env() -> dict[str, str]:
         raise IMergeUsageError(f"IMerge: world rank {topo.world_rank} is a server; it has no torch.distributed rank")
     address, port = master_address_port()
     return {"RANK": str(topo.worker_rank), "WORLD_SIZE": str(topo.num_workers), "LOCAL_RANK": str(topo.local_rank),
-            "LOCAL_WORLD_SIZE": str(topo.local_size), "MASTER_ADDR": address, "MASTER_PORT": str(port)}
+            "LOCAL_WORLD_SIZE": str(topo.local_size), "MASTER_ADDR": address, "MASTER_PORT": str(port),
+            **rendezvous.environment_store_handoff()}
 
 
 def export_torch_env() -> None:
@@ -590,18 +593,20 @@ def worker_group():
         return _state.process_group
     address, port = master_address_port()
     backend = devices.worker_backend(topo)
+    timeout_s = config().timeout_s
+    store = _state.store if _state.store is not None else rendezvous.client_store(address, port, topo.num_workers,
+                                                                                   timeout_s)
     # Its collectives (DDP's, Lightning's sync_dist, barriers) are bounded by timeout_s like IMerge's own.
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=topo.worker_rank,
-                            world_size=topo.num_workers, timeout=datetime.timedelta(seconds=config().timeout_s))
+    dist.init_process_group(backend, store=store, rank=topo.worker_rank, world_size=topo.num_workers,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     _state.process_group = dist.group.WORLD
     _state.own_process_group = True
     return _state.process_group
 
 
 def master_address_port() -> tuple[str, int]:
-    """Worker 0's address and a free port on it: the workers' torch.distributed rendezvous,
-    agreed by all workers in ``init()`` (``MASTER_ADDR``/``MASTER_PORT`` as worker 0 had them,
-    else 127.0.0.1 when every worker is on one host, and a port free on worker 0 then)."""
+    """Worker 0's address and the port of its store: the workers' torch.distributed rendezvous,
+    agreed by all workers in ``init()`` (``rendezvous``)."""
     topology()
     if _state.master is None:
         raise IMergeUsageError("IMerge: servers have no torch.distributed rendezvous (workers only)")
@@ -609,28 +614,53 @@ def master_address_port() -> tuple[str, int]:
 
 
 def _agree_master_address_port(topo: Topology) -> tuple[str, int]:
-    """Worker 0's choice of the rendezvous, on every worker (collective over the workers)."""
+    """Worker 0's rendezvous address and store port, on every worker (collective over the workers).
+
+    Worker 0 chooses the address (``rendezvous``), listens on it and serves the store; its error,
+    if any, goes to every worker, so none waits for a rendezvous that will not come."""
     hosts = topo.worker_hosts
+    spans = len(set(hosts)) > 1
+    own = rendezvous.interfaces() if spans else []
+    reports = collective(topo.worker_comm, "gather", own, "the workers' network interfaces") if spans else None
+    value: tuple = (None, None, None)
     if topo.worker_rank == 0:
-        if os.environ.get("MASTER_ADDR"):
-            address = os.environ["MASTER_ADDR"]
-        elif len(set(hosts)) == 1:
-            address = "127.0.0.1"
-        else:
-            address = socket.gethostbyname(socket.gethostname())
-        if os.environ.get("MASTER_PORT"):
-            port = os.environ["MASTER_PORT"]
-            if not port.isdigit() or not 0 < int(port) < 65536:
-                raise IMergeConfigError(f"IMerge worker 0: MASTER_PORT={port!r} is not a TCP port number")
-            port = int(port)
-        else:
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = s.getsockname()[1]
-        value = (address, port)
+        try:
+            value = (*_serve_rendezvous(topo, own, reports), None)
+        except IMergeConfigError as exc:
+            value = (None, None, str(exc))
+    address, port, error = collective(topo.worker_comm, "bcast", value, "worker 0's address and port")
+    if error is not None:
+        raise IMergeConfigError(error if topo.worker_rank == 0 else f"IMerge worker {topo.worker_rank}: worker 0 "
+                                f"could not set up the rendezvous: {error}")
+    if spans and "GLOO_SOCKET_IFNAME" not in os.environ:
+        name = rendezvous.interface_towards(address, own)
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+    return address, port
+
+
+def _serve_rendezvous(topo: Topology, own: list, reports: list | None) -> tuple[str, int]:
+    """Worker 0: the address (``MASTER_ADDR``, ``master_interface`` or chosen) and a store listening on it."""
+    hosts = topo.worker_hosts
+    spans = len(set(hosts)) > 1
+    if os.environ.get("MASTER_ADDR"):
+        address = rendezvous.check_address(os.environ["MASTER_ADDR"], spans, "MASTER_ADDR")
     else:
-        value = None
-    return tuple(collective(topo.worker_comm, "bcast", value, "worker 0's address and port"))
+        first_on_host = {host: w for w, host in reversed(list(enumerate(hosts)))}
+        others = [reports[w] for host, w in first_on_host.items() if host != hosts[0]] if reports else []
+        address = rendezvous.choose_address(own, others, config().master_interface, spans)
+        address = rendezvous.check_address(address, spans, "the chosen address")
+    port = 0
+    if os.environ.get("MASTER_PORT"):
+        text = os.environ["MASTER_PORT"]
+        if not text.isdigit() or not 0 < int(text) < 65536:
+            raise IMergeConfigError(f"IMerge worker 0: MASTER_PORT={text!r} is not a TCP port number")
+        port = int(text)
+    sock = rendezvous.listen(address, port)
+    _state.store_socket = sock
+    _state.store = rendezvous.serve_store(sock, topo.num_workers, config().timeout_s)
+    log.debug("IMerge worker 0: torch.distributed store on %s:%d", address, sock.getsockname()[1])
+    return address, sock.getsockname()[1]
 
 
 # ---------------------------------------------------------------------- shutdown
