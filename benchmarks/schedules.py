@@ -163,14 +163,11 @@ def machine_info() -> dict:
     }
 
 
-def cost_model_file(cache_dir: Path, servers: int) -> Path:
-    """The file the library will use for (W=2, S) on this one host.
-
-    Mirrors ``imerge_hooks.plan.calibrate.cache_path`` for a single host (sha1 of the sorted host
-    names); if that ever changes the runs simply calibrate themselves during warm-up.
-    """
-    digest = hashlib.sha1(os.uname().nodename.encode()).hexdigest()[:10]
-    return cache_dir / COST_MODEL_TEMPLATE.format(workers=WORKERS, servers=servers, hosts=digest)
+def cost_model_file(cache_dir: Path, servers: int) -> Path | None:
+    """The file the library keeps for (W=2, S) in ``cache_dir``, if there is one (its name ends in a
+    digest of the cluster, ``imerge_hooks.plan.calibrate.cache_path``; the library checks it on load)."""
+    found = sorted(cache_dir.glob(COST_MODEL_TEMPLATE.format(workers=WORKERS, servers=servers, hosts="*")))
+    return found[-1] if found else None
 
 
 def library_digest() -> str:
@@ -229,28 +226,28 @@ def launch(cmd: list[str], env: dict[str, str], timeout: float) -> dict:
 def calibrate(servers: int, cache_dir: Path, timeout: float, max_bytes: int | None, recalibrate: bool) -> dict:
     path = cost_model_file(cache_dir, servers)
     info = {"servers": servers, "workers": WORKERS, "path": str(path), "ran": False, "ok": True, "reason": None}
-    if path.exists() and not recalibrate:
+    if path is not None and not recalibrate:
         info["cached"] = True
         return info
-    if path.exists():
+    if path is not None:
         path.unlink()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [mpiexec_path(), "-n", str(WORKERS + servers), sys.executable, "-m", "imerge_hooks.plan.calibrate",
-           "--out", str(path)]
+    cmd = [mpiexec_path(), "-n", str(WORKERS + servers), sys.executable, "-m", "imerge_hooks.plan.calibrate"]
     if max_bytes:
         cmd += ["--max-bytes", str(max_bytes)]
     res = launch(cmd, run_env(servers, cache_dir, timeout), timeout)
+    path = cost_model_file(cache_dir, servers)
     info.update(ran=True, cached=False, cmd=res["cmd"], returncode=res["returncode"], timed_out=res["timed_out"],
-                wall_s=res["wall_s"])
+                wall_s=res["wall_s"], path=str(path))
     if res["timed_out"] or res["returncode"] != 0:
         why = f"timed out after {timeout:.0f} s" if res["timed_out"] else f"exit code {res['returncode']}"
-        info["reason"] = why + (" after the model was written (kept)" if path.exists() else ", no model written "
+        info["reason"] = why + (" after the model was written (kept)" if path is not None else ", no model written "
                                 "(planned schedules will calibrate during their warm-up)")
         info["ok"] = False
         info["stderr_tail"] = res["stderr"][-4000:]
         info["stdout_tail"] = res["stdout"][-2000:]
-    elif not path.exists():
-        info.update(ok=False, reason=f"exit 0 but no model at {path}")
+    elif path is None:
+        info.update(ok=False, reason=f"exit 0 but no model in {cache_dir}")
     return info
 
 

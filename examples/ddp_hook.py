@@ -50,10 +50,11 @@ def main() -> None:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05 * imh.size(), momentum=0.9)
     first_epoch = 0
     if args.checkpoint and os.path.exists(args.checkpoint):
-        saved = torch.load(args.checkpoint, weights_only=False, map_location=device)
+        saved = torch.load(args.checkpoint, weights_only=True, map_location=device)  # plain data only
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
-        state, first_epoch = saved["hook_state"], saved["epoch"] + 1
+        state.load_state_dict(saved["hook_state"])
+        first_epoch = saved["epoch"] + 1
         if imh.rank() == 0:
             print(f"resumed after epoch {saved['epoch']} (schedule {state.cfg.schedule})", flush=True)
     ddp.register_comm_hook(state, imh.ps_hook)
@@ -73,8 +74,8 @@ def main() -> None:
             print(f"epoch {epoch}: val_acc {acc:.4f}  {seen * imh.size() / (time.perf_counter() - start):.0f} "
                   "samples/s", flush=True)
             if args.checkpoint:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "hook_state": state,
-                            "epoch": epoch}, args.checkpoint)
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "hook_state": state.state_dict(), "epoch": epoch}, args.checkpoint)
     if imh.rank() == 0:
         print(f"RESULT val_acc={acc:.4f}", flush=True)
 

@@ -14,6 +14,7 @@ This module must keep annotations evaluated (no postponed-annotations future imp
 compares the hook's annotations by identity.
 """
 
+import dataclasses
 import logging
 import os
 from contextlib import nullcontext
@@ -23,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from . import runtime, streams
-from .config import SCHEDULE_TRAITS
+from .config import PROCESS_OPTIONS, SCHEDULE_TRAITS, Config
 from .engine import GradientEngine
-from .errors import IMergeConfigError, IMergeUsageError
+from .errors import IMergeArgumentError, IMergeConfigError, IMergeUsageError
 from .group import Group
 from .layout import dtype_name
 
@@ -69,34 +70,45 @@ class IMergeHookState:
             runtime.init()
         _check_process_group(process_group)
         schedule = _hook_schedule(schedule)
-        self.cfg = runtime.engine_config("IMergeHookState", schedule=schedule, **config)
-        if self.cfg.schedule not in _BUCKET_SCHEDULES:
-            raise IMergeConfigError(
-                f"IMerge: schedule {self.cfg.schedule!r} overlaps with the next forward pass, which a DDP comm hook "
-                f"cannot; the DDP hook supports {', '.join(_BUCKET_SCHEDULES)}; use "
-                "imerge_hooks.DistributedOptimizer or strategy='imerge' for it")
-        if self.cfg.overlap_forward:
-            raise IMergeConfigError("IMerge: overlap_forward is impossible through a DDP comm hook (DDP waits for "
-                                    "every bucket before step()); use imerge_hooks.DistributedOptimizer")
-        if self.cfg.backward_passes_per_step != 1:
-            raise IMergeConfigError("IMerge: backward_passes_per_step is DDP's no_sync() on the DDP hook path; "
-                                    "leave it at 1 there")
+        self.cfg = _checked(runtime.engine_config("IMergeHookState", schedule=schedule, **config))
         self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         self._attach()
 
+    def state_dict(self) -> dict[str, Any]:
+        """The hook's settings as plain data: a checkpoint entry that ``torch.load(weights_only=True)``
+        reads. Restore with :meth:`load_state_dict` or ``IMergeHookState(**state_dict)``."""
+        return {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(Config) if f.name not in PROCESS_OPTIONS}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take the settings of :meth:`state_dict`, validated as the constructor's; before training only."""
+        if not isinstance(state_dict, dict):
+            raise IMergeArgumentError(f"IMergeHookState.load_state_dict: expected a dict, got "
+                                      f"{type(state_dict).__name__}")
+        unknown = sorted(set(state_dict) - {f.name for f in dataclasses.fields(Config)})
+        if unknown:
+            raise IMergeConfigError(f"IMergeHookState.load_state_dict: unknown setting(s) {', '.join(unknown)}")
+        cfg = _checked(runtime.engine_config("IMergeHookState.load_state_dict", **state_dict))
+        if self.engine is not None and cfg != self.cfg:
+            raise IMergeUsageError("IMergeHookState.load_state_dict: this hook state has already synchronised "
+                                   "gradients; load the settings before the first backward")
+        self.cfg = cfg
+
     def __getstate__(self) -> dict[str, Any]:
-        """What a checkpoint, ``pickle`` or ``deepcopy`` keeps: the settings, not the communicator
-        and buffers (as PowerSGD's state drops its process group); ``__setstate__`` re-attaches.
+        """What ``pickle`` and ``deepcopy`` keep: the settings, not the communicator and buffers (as
+        PowerSGD's state drops its process group); checkpoints hold :meth:`state_dict` instead.
         Tensor names are keyed by object identity, which means nothing in another process, so a
         restored state names bucket tensors by position (the same on every worker)."""
         return {"cfg": self.cfg}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        """Validates the settings and binds to IMerge if it runs; never starts MPI (a state unpickled
+        before ``init()`` binds at its first bucket)."""
+        self.cfg = _checked(Config(**dataclasses.asdict(state["cfg"])))
         self.names = {}
-        if not runtime.is_initialized():
-            runtime.init()
-        self._attach()
+        self.engine = None
+        self.attached = False
+        if runtime.is_initialized():
+            self._attach()
 
     def _attach(self) -> None:
         """Bind to this process's IMerge runtime; the engine is built at the first iteration."""
@@ -107,6 +119,7 @@ class IMergeHookState:
         self.iteration_open = False
         self.outstanding: dict[int, tuple[torch.Tensor, torch.futures.Future]] = {}  # this iteration's buckets
         self.collected: dict[int, tuple] = {}  # buckets of a new layout, pushed once the last one is in
+        self.attached = True
 
     def _describe(self, bucket: dist.GradBucket) -> tuple:
         buffer = bucket.buffer()
@@ -123,6 +136,11 @@ class IMergeHookState:
         return len(self.signature) - 1 - bucket_index
 
     def push(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if not self.attached:
+            if not runtime.is_initialized():
+                raise IMergeUsageError("IMerge: an unpickled IMergeHookState ran before imerge_hooks.init(); call "
+                                       "init() first (unpickling never starts MPI)")
+            self._attach()
         buffer = bucket.buffer()
         future = (torch.futures.Future(devices=[buffer.device]) if buffer.device.type == "cuda"
                   else torch.futures.Future())
@@ -283,6 +301,22 @@ def _check_process_group(group: Any | None) -> None:
         raise IMergeConfigError(
             f"IMerge: the DDP hook averages over all {workers} workers, but process_group has {size} ranks; "
             "run DDP over imerge_hooks.worker_group() (a DDP over a subgroup is not supported)")
+
+
+def _checked(cfg: Config) -> Config:
+    """``cfg``, if the DDP hook can run it (constructor, load_state_dict, unpickling)."""
+    if cfg.schedule not in _BUCKET_SCHEDULES:
+        raise IMergeConfigError(
+            f"IMerge: schedule {cfg.schedule!r} overlaps with the next forward pass, which a DDP comm hook "
+            f"cannot; the DDP hook supports {', '.join(_BUCKET_SCHEDULES)}; use "
+            "imerge_hooks.DistributedOptimizer or strategy='imerge' for it")
+    if cfg.overlap_forward:
+        raise IMergeConfigError("IMerge: overlap_forward is impossible through a DDP comm hook (DDP waits for "
+                                "every bucket before step()); use imerge_hooks.DistributedOptimizer")
+    if cfg.backward_passes_per_step != 1:
+        raise IMergeConfigError("IMerge: backward_passes_per_step is DDP's no_sync() on the DDP hook path; "
+                                "leave it at 1 there")
+    return cfg
 
 
 def ps_hook(state: IMergeHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -618,8 +618,7 @@ def _agree_master_address_port(topo: Topology) -> tuple[str, int]:
 
     Worker 0 chooses the address (``rendezvous``), listens on it and serves the store; its error,
     if any, goes to every worker, so none waits for a rendezvous that will not come."""
-    hosts = topo.worker_hosts
-    spans = len(set(hosts)) > 1
+    spans = len(topo.worker_hosts) > 1
     own = rendezvous.interfaces() if spans else []
     reports = collective(topo.worker_comm, "gather", own, "the workers' network interfaces") if spans else None
     value: tuple = (None, None, None)
@@ -641,7 +640,7 @@ def _agree_master_address_port(topo: Topology) -> tuple[str, int]:
 
 def _serve_rendezvous(topo: Topology, own: list, reports: list | None) -> tuple[str, int]:
     """Worker 0: the address (``MASTER_ADDR``, ``master_interface`` or chosen) and a store listening on it."""
-    hosts = topo.worker_hosts
+    hosts = list(topo.hosts[:topo.num_workers]) or [topo.host]  # worker w's host
     spans = len(set(hosts)) > 1
     if os.environ.get("MASTER_ADDR"):
         address = rendezvous.check_address(os.environ["MASTER_ADDR"], spans, "MASTER_ADDR")

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from mpirun import run_mpi
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -30,12 +31,15 @@ def test_horovod_style_learns_digits_and_resumes(env, tmp_path):
 
 
 def test_ddp_hook_learns_digits_across_a_checkpoint(env, tmp_path):
-    """One epoch, a checkpoint holding the hook state, a new launch that resumes for the second."""
+    """One epoch, a checkpoint holding the hook state's settings as plain data (it loads with
+    ``weights_only=True``, here and in the example), a new launch that resumes with them."""
     ckpt = str(tmp_path / "ckpt.pt")
-    run_mpi(EXAMPLES / "ddp_hook.py", 3, "--epochs", "1", "--checkpoint", ckpt, servers=1, env=env,
-            timeout=150).check()
+    run_mpi(EXAMPLES / "ddp_hook.py", 3, "--epochs", "1", "--checkpoint", ckpt, "--schedule", "priority", servers=1,
+            env=env, timeout=150).check()
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["hook_state"]["schedule"] == "priority" and "num_servers" not in saved["hook_state"]
     run = run_mpi(EXAMPLES / "ddp_hook.py", 3, "--epochs", "2", "--checkpoint", ckpt, servers=1, env=env,
-                  timeout=150).check()
-    assert "resumed after epoch 0 (schedule wfbp)" in run.stdout
+                  timeout=150).check()  # the example's default schedule is wfbp: the checkpoint's wins
+    assert "resumed after epoch 0 (schedule priority)" in run.stdout
     assert "epoch 0:" not in run.stdout
     assert float(result_line(run).split("val_acc=")[1]) > 0.8

@@ -33,7 +33,7 @@ def test_choose_address_shares_a_network_with_every_host():
 
 def test_loopback_is_refused_across_hosts_and_named():
     assert check_address("127.0.1.1", False, "MASTER_ADDR") == "127.0.1.1"
-    with pytest.raises(IMergeConfigError, match=r"MASTER_ADDR='127.0.1.1' is a loopback address .*IMERGE_MASTER_INTERF"):
+    with pytest.raises(IMergeConfigError, match=r"MASTER_ADDR='127.0.1.1' is a loopback .*IMERGE_MASTER_INTERF"):
         check_address("127.0.1.1", True, "MASTER_ADDR")
 
 
@@ -71,10 +71,10 @@ def two_hosts():
 
 
 def _launch(nl, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """2 workers on each of 2 emulated hosts + a server on host 0; the hosts' names resolve to an address
+    """Workers 0, 2 on emulated host 0 and 1, 3 on host 1, a server on host 0; the hosts' names resolve to an address
     neither namespace has (as 127.0.1.1 on Debian images)."""
     cmd = nl.mpiexec_cmd([[sys.executable, str(SCRIPT)]] * 5, hosts=2, prefix=PREFIX, mpiexec=mpiexec_path(),
-                         host_of=[0, 0, 1, 1, 0], extra_env={"IMERGE_NUM_SERVERS": "1", **env})
+                         host_of=[0, 1, 0, 1, 0], extra_env={"IMERGE_NUM_SERVERS": "1", **env})
     full = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(SCRIPT.parent)]), PYTHONUNBUFFERED="1",
                 OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,

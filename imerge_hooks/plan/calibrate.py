@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -158,42 +160,84 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
         runtime.register_keys(client, [])
         groups.clear()
     return PSModel.fit(topo.num_workers, topo.num_servers, sizes, extend_table(sizes[:len(times)], times, sizes),
-                       hosts=_hosts(), measured=len(times))
+                       hosts=topo.worker_hosts, measured=len(times))
 
 
-def _hosts() -> list[str]:
-    """The workers' hosts, sorted and without repeats (``topology.host_name``)."""
-    return runtime.topology().worker_hosts
+# A cached model older than this is measured again: links, firmware and neighbours change.
+CACHE_MAX_AGE_DAYS = 30.0
+# Environment prefixes that choose or tune the MPI transport: a cached model measured under others
+# describes another network path.
+TRANSPORT_ENV = ("MPIR_CVAR_", "FI_", "UCX_", "OMPI_MCA_", "I_MPI_", "PSM2_", "MV2_")
 
 
-def cache_path(template: str) -> str:
-    """The cost-model cache file for this job's workers, servers and hosts (collective over workers)."""
+def cluster_fingerprint() -> dict[str, Any]:
+    """What a measured PS model depends on: W, S, every rank's host (servers' too, in rank order),
+    host aggregation, the MPI library, the transport settings of the environment and IMerge's
+    version. Worker 0's view (the cache is worker 0's)."""
+    from .. import __version__
+    from .._mpi import MPI
+
     topo = runtime.topology()
-    hosts = _hosts()
-    digest = hashlib.sha1(",".join(hosts).encode()).hexdigest()[:10]
-    return os.path.expanduser(template.format(workers=topo.num_workers, servers=topo.num_servers, hosts=digest))
+    return {"workers": topo.num_workers, "servers": topo.num_servers, "hosts": list(topo.hosts),
+            "aggregate": bool(topo.aggregate_in_host), "mpi": MPI.Get_library_version().strip().splitlines()[0],
+            "transport": {k: v for k, v in sorted(os.environ.items()) if k.startswith(TRANSPORT_ENV)},
+            "imerge": __version__}
+
+
+def cache_path(template: str, fingerprint: dict[str, Any]) -> str:
+    """The cost-model cache file for this cluster: ``{hosts}`` in the template is a digest of the
+    whole fingerprint (the name kept for existing templates)."""
+    digest = hashlib.sha1(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:10]
+    return os.path.expanduser(template.format(workers=fingerprint["workers"], servers=fingerprint["servers"],
+                                              hosts=digest))
+
+
+def cache_problem(model: PSModel, fingerprint: dict[str, Any], now: float) -> str | None:
+    """Why a cached model must not be used for this cluster, or None if it may."""
+    if (model.workers, model.servers) != (fingerprint["workers"], fingerprint["servers"]):
+        return (f"it was measured with {model.workers} workers and {model.servers} servers, this job has "
+                f"{fingerprint['workers']} and {fingerprint['servers']}")
+    if not model.cluster:
+        return "it does not say which cluster it was measured on"
+    differ = [k for k in fingerprint if model.cluster.get(k) != fingerprint[k]]
+    if differ:
+        return f"it was measured on another cluster (differs in: {', '.join(differ)})"
+    age_days = (now - float(model.created or 0.0)) / 86400.0
+    if age_days > CACHE_MAX_AGE_DAYS:
+        return f"it is {age_days:.0f} days old (limit {CACHE_MAX_AGE_DAYS:g})"
+    return None
 
 
 def load_or_calibrate() -> PSModel:
-    """The cached PS model for this (W, S, hosts), measuring and caching it if there is none."""
+    """The cached PS model for this cluster (``cluster_fingerprint``), measuring and caching it if
+    there is none, or if the cached one fails :func:`cache_problem` (one log line says why)."""
     cfg = runtime.config()
     topo = runtime.topology()
-    path = cache_path(cfg.cost_model_path)
-    cached = None
-    if topo.worker_rank == 0 and os.path.exists(path):
-        try:
-            cached = PSModel.from_json(path).to_dict()
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("IMerge: ignoring unreadable cost model cache %s (%s)", path, exc)
-    cached = runtime.collective(topo.worker_comm, "bcast", cached, "worker 0's cached PS cost model")
+    cached = path = fingerprint = None
+    if topo.worker_rank == 0:
+        fingerprint = cluster_fingerprint()
+        path = cache_path(cfg.cost_model_path, fingerprint)
+        if os.path.exists(path):
+            try:
+                model = PSModel.from_json(path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("IMerge: ignoring unreadable cost model cache %s (%s)", path, exc)
+            else:
+                problem = cache_problem(model, fingerprint, time.time())
+                if problem is None:
+                    cached = model.to_dict()
+                else:
+                    log.warning("IMerge: not using the cached cost model %s: %s; calibrating again", path, problem)
+    cached, path = runtime.collective(topo.worker_comm, "bcast", (cached, path), "worker 0's cached PS cost model")
     if cached is not None:
         return PSModel.from_dict(cached)
     if not cfg.calibrate:
-        raise RuntimeError(f"IMerge: no cached PS cost model at {path} and calibrate=False; run "
+        raise RuntimeError(f"IMerge: no usable cached PS cost model at {path} and calibrate=False; run "
                            "`mpiexec ... python -m imerge_hooks.plan.calibrate` first")
     start = time.perf_counter()
     model = measure(budget_s=STARTUP_BUDGET_S)
     if topo.worker_rank == 0:
+        model.cluster, model.created = fingerprint, time.time()
         model.to_json(path)
         log.info("IMerge: calibrated %s in %.1f s, cached at %s%s", model.describe(), time.perf_counter() - start,
                  path, "" if model.measured == len(model.sizes) else
@@ -222,8 +266,10 @@ def main() -> None:
     runtime.init()
     start = time.perf_counter()
     model = measure([m for m in DEFAULT_GRID if m <= args.max_bytes], budget_s=args.budget_s)
-    path = args.out or cache_path(runtime.config().cost_model_path)  # collective over workers
     if runtime.topology().worker_rank == 0:
+        fingerprint = cluster_fingerprint()
+        model.cluster, model.created = fingerprint, time.time()
+        path = args.out or cache_path(runtime.config().cost_model_path, fingerprint)
         model.to_json(path)
         print(format_table(model))
         print(f"{model.describe()}  ({time.perf_counter() - start:.1f} s) -> {path}", flush=True)

@@ -118,6 +118,9 @@ class PSModel:
     a: float | None = None
     bandwidth: float | None = None
     measured: int | None = None
+    # What the table was measured on (``calibrate.cluster_fingerprint``) and when (Unix time): the cache's check
+    cluster: dict[str, Any] = field(default_factory=dict)
+    created: float | None = None
 
     def __post_init__(self) -> None:
         self.workers, self.servers = int(self.workers), int(self.servers)
@@ -205,7 +208,8 @@ class PSModel:
     def from_dict(cls, d: dict[str, Any]) -> PSModel:
         return cls(workers=d["workers"], servers=d["servers"], sizes=list(d["sizes"]),
                    times=list(d["times"]), hosts=list(d.get("hosts", [])),
-                   a=d.get("a"), bandwidth=d.get("bandwidth"), measured=d.get("measured"))
+                   a=d.get("a"), bandwidth=d.get("bandwidth"), measured=d.get("measured"),
+                   cluster=dict(d.get("cluster") or {}), created=d.get("created"))
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write atomically (temp file + rename): several ranks may share one cache path."""

@@ -41,6 +41,10 @@ def train(schedule: str, out: str) -> None:
         # A hook state goes into checkpoints and copies, as PowerSGD's does.
         copied = pickle.loads(pickle.dumps(copy.deepcopy(state)))
         assert copied.cfg == state.cfg and copied.comm is state.comm
+        settings = state.state_dict()  # what a checkpoint holds: plain data
+        again = imh.IMergeHookState(**settings)
+        again.load_state_dict(settings)
+        assert again.cfg == state.cfg
         ddp.register_comm_hook(state, imh.ps_hook)
     opt = make_optimizer("sgd", model.parameters())
     for step in range(args.steps):
