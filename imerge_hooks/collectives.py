@@ -202,3 +202,10 @@ def _retire_sends(sends: dict[int, MPI.Request]) -> bool:
     for dest in done:
         del sends[dest]
     return bool(done)
+
+
+def root_problem(root_rank: Any, size: int) -> str | None:
+    """What is wrong with ``root_rank`` as the root of a collective over ``size`` workers, or None."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        return f"root_rank {root_rank!r} is not a worker rank (0 .. {size - 1})"
+    return None

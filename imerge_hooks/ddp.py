@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime, streams
-from .config import PROCESS_OPTIONS, SCHEDULE_TRAITS, Config
+from .config import PROCESS_OPTIONS, SCHEDULE_TRAITS, SCHEDULES, Config
 from .engine import GradientEngine
 from .errors import IMergeArgumentError, IMergeConfigError, IMergeUsageError
 from .group import Group
@@ -32,7 +32,8 @@ from .layout import dtype_name
 
 log = logging.getLogger("imerge")
 
-_BUCKET_SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps")
+# What a comm hook can run: every schedule that does not overlap updates with the next forward
+_BUCKET_SCHEDULES = tuple(s for s in SCHEDULES if not SCHEDULE_TRAITS[s].overlap_forward)
 
 
 class BucketEngine(GradientEngine):

@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import runtime
+from . import collectives, runtime
 from ._mpi import MPI
 from .collectives import collective
 from .errors import (
@@ -511,16 +511,10 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
 
 
 # ---------------------------------------------------------------------- broadcast
-def _root_problem(root_rank: Any, size: int) -> str | None:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        return f"root_rank {root_rank!r} is not a worker rank (0 .. {size - 1})"
-    return None
-
-
 def _broadcasted(tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
     """``root_rank``'s ``tensor`` on every worker (a new tensor; shapes and dtypes must match)."""
     topo = _topology()
-    problem = _not_a_tensor(tensor) or _root_problem(root_rank, topo.num_workers)
+    problem = _not_a_tensor(tensor) or collectives.root_problem(root_rank, topo.num_workers)
     shape, dtype = _describe(tensor) if _not_a_tensor(tensor) is None else ((), "")
     label, _ = _agree("broadcast", name, {"shape": shape, "dtype": dtype, "root_rank": root_rank},
                       ("root_rank", "shape", "dtype"), problem)

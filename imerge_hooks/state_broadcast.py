@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import runtime
+from . import collectives, runtime
 from ._mpi import MPI
 from .errors import IMergeTimeoutError, IMergeUsageError
 from .failure import record_fatal, whoami
@@ -20,9 +20,9 @@ _CHUNK_BYTES = 1 << 30  # one Ibcast per GiB: MPI counts are 32-bit
 def _check_root(root_rank: Any, what: str) -> None:
     """``root_rank`` must be a worker rank (checked on every worker alike before any message)."""
     topo = runtime.topology()
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < topo.num_workers:
-        raise IMergeUsageError(f"IMerge worker {topo.worker_rank}: {what}: root_rank {root_rank!r} is not a worker "
-                               f"rank (0 .. {topo.num_workers - 1})")
+    problem = collectives.root_problem(root_rank, topo.num_workers)
+    if problem is not None:
+        raise IMergeUsageError(f"IMerge worker {topo.worker_rank}: {what}: {problem}")
 
 
 def _named(params: Mapping[str, torch.Tensor] | Iterable[Any]) -> list[tuple[str, torch.Tensor]]:

@@ -335,8 +335,10 @@ class IMergeStrategy(ParallelStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="IMerge parameter-server data parallelism",
-                                   override=True)
+        """Lightning's hook for a strategy to register itself: the package's one registration."""
+        from . import register_strategies
+
+        register_strategies(strategy_registry)
 
 
 def _check_num_servers(num_servers: int | None) -> None:
