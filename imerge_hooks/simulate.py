@@ -578,7 +578,7 @@ class _Sim:
         events = 0
         while True:
             events += 1
-            if deadline is not None and not events & 1023 and time.thread_time() > deadline:
+            if deadline is not None and not events & 255 and time.thread_time() > deadline:
                 raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
             # Flow rates are recomputed once per batch of simultaneous events.
             if self.net_dirty and (not heap or heap[0][0] > self.now + _EPS_T):
@@ -1014,9 +1014,10 @@ def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int
 
 
 def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_bytes: int | None,
-            cluster: ClusterSpec) -> tuple[list[list[int]], list[KeyInfo]]:
+            cluster: ClusterSpec, cpu_deadline: float | None = None) -> tuple[list[list[int]], list[KeyInfo]]:
     """Keys of every group (``layout.cut_keys``, at least one per server and, with host aggregation, one
-    per worker of the fullest host), placed by ``layout.Placement`` on the cluster's hosts, as the engine."""
+    per worker of the fullest host), placed by ``layout.Placement`` on the cluster's hosts, as the engine.
+    ``cpu_deadline``: as :func:`simulate`'s (placing thousands of keys on hundreds of servers takes seconds)."""
     hosts = cluster.rank_hosts
     per_host = Counter(hosts[:cluster.workers])
     spread = max(cluster.servers, max(per_host.values()) if cluster.aggregates else 1)
@@ -1027,6 +1028,8 @@ def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_byt
     for g, members in enumerate(groups):
         ids = []
         for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes, spread):
+            if cpu_deadline is not None and not len(keys) & 63 and time.thread_time() > cpu_deadline:
+                raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
             ids.append(len(keys))
             keys.append(KeyInfo(g, nbytes, placement.place(nbytes)))
         group_keys.append(ids)
@@ -1230,7 +1233,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             partition_bytes = plan_result.partition_bytes
         if stagger is None and plan_result.stagger is not None:
             stagger = plan_result.stagger
-    group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster)
+    group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster, cpu_deadline)
     fold = fold_factor(cluster) if fold_workers else 1
     tail = None
     if tail_credit_bytes is not None and traits.tail_credit:
@@ -1250,6 +1253,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     if give_up_s is not None and iterations > 1:
         sim.give_up_s = float(give_up_s)
     sim.cpu_deadline = cpu_deadline
+    if cpu_deadline is not None and time.thread_time() > cpu_deadline:  # the key layout above took it
+        raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
     sim.run()
     if sim.gave_up:
         return SimResult(schedule=schedule, iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[],
