@@ -87,7 +87,7 @@ def iteration_s(plan, sizes, ready, names, model: PSModel, cfg: Config) -> float
     n = len(sizes)
     return simulate(model_spec_from_profile(sizes, ready, names), cluster_for(model, model.workers, model.servers),
                     cfg.schedule, partition_bytes=plan.partition_bytes or cfg.partition_bytes,
-                    credit_bytes=cfg.credit_bytes, result_window_bytes=cfg.result_window_bytes,
+                    credit_bytes=cfg.credit_bytes,
                     tail_credit_bytes=cfg.tail_credit_bytes, cost_model=model, iterations=3,
                     overlap_forward=cfg.overlap, timeline=False, groups=[[n - 1 - i for i in g] for g in plan.groups],
                     stagger=plan.stagger).iteration_s

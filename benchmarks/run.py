@@ -78,8 +78,8 @@ from benchmarks.netlab import netlab as nl  # noqa: E402
 from benchmarks.netlab.cpumon import CpuMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import LinkMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import summarize as summarize_links  # noqa: E402
-from benchmarks.timeline_report import format_report  # noqa: E402
-from benchmarks.timeline_report import report as timeline_report  # noqa: E402
+from imerge_hooks.timeline_report import format_report  # noqa: E402
+from imerge_hooks.timeline_report import report as timeline_report  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "worker_replay.py"
 PROFILES = REPO / "benchmarks" / "profiles"
@@ -784,7 +784,7 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--alternate", default=None, metavar="FIELD=VALUE[,...]",
                     help="A/B inside each launch of a partitioned schedule: worker_replay alternates the engine's "
                          "SchedulePolicy with these fields every two timed iterations (e.g. "
-                         "result_window_bytes=none); the JSON gets both series")
+                         "tail_credit_bytes=none); the JSON gets both series")
     ap.add_argument("--link-monitor", type=float, default=0.1, metavar="SECONDS",
                     help="sample the switch ports' byte counters this often during each launch (0: off); the "
                          "summary (utilisation, push-share dispersion) goes into the JSON, the samples next to "

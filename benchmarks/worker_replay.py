@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="first time one worker alone with no communication (schedule 'local')")
     ap.add_argument("--alternate", default=None, metavar="FIELD=VALUE[,...]",
                     help="partitioned schedules: alternate the engine's SchedulePolicy with these fields "
-                         "(e.g. result_window_bytes=none) in blocks of two timed iterations; A/B in one plan")
+                         "(e.g. tail_credit_bytes=none) in blocks of two timed iterations; A/B in one plan")
     ap.add_argument("--share-params", default=None, metavar="FILE",
                     help="map all parameters from FILE (MAP_SHARED, pre-sized) to save RAM; see share_parameters")
     args = ap.parse_args(argv)

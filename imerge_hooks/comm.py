@@ -5,14 +5,12 @@ tasks go out FIFO, or front layers first when ``priority`` is on (a partly sent 
 to a higher-priority one at partition granularity). With ``stagger`` worker r starts each
 group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
 (at least one push always is; credit returns when a push is delivered; ``tail_credit_bytes``
-for other keys while the plan's urgent last group is due) and at most
-``result_window_bytes`` wait for their results (``schedule``). Errors are kept and re-raised
-in the thread that waits.
+for other keys while the plan's urgent last group is due; ``schedule``). Errors are kept and
+re-raised in the thread that waits.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -26,7 +24,7 @@ from .errors import IMergeError, IMergeTimeoutError
 from .group import Group
 from .layout import key_owner
 from .polling import Backoff
-from .schedule import ReadyQueue, SchedulePolicy, SendWindows, SharedOrder, key_slots, shared_order
+from .schedule import Credit, ReadyQueue, SchedulePolicy, key_slots
 from .wire import ROUND_TAGS, TAG_ERROR, TAG_HOST_SHUTDOWN, PendingRequests, key_tag, split_key_tag
 
 log = logging.getLogger("imerge")
@@ -40,7 +38,6 @@ SERVER_FIRST_S = 3.0
 class _Task:
     group: Group
     slot: int  # index into group.keys
-    order: SharedOrder  # the key's place in the order every worker shares (schedule)
     priority: int = 0  # the schedule's priority of its group (0 without priority)
     buffer: list | None = None  # what to push, when not the group's own bytes (the host's sum)
 
@@ -101,7 +98,6 @@ class CommThread:
         self._error: BaseException | None = None
         self._remaining: dict[int, int] = {}  # id(group) -> keys not finished
         self._active: dict[int, Group] = {}  # id(group) -> group, while submitted and not done
-        self._seq = itertools.count()
         self._thread = threading.Thread(target=self._run, name="imerge-comm", daemon=True)
         self._stopped = threading.Event()
         self._wake = threading.Event()  # set by submit()/stop(): ends the comm thread's back-off sleep
@@ -157,18 +153,18 @@ class CommThread:
         # Pushes to one server complete in order; results come back roughly in push order.
         sends = PendingRequests(window=4 * self.num_servers)
         recvs = PendingRequests(window=8 * self.num_servers)
-        windows = SendWindows(None, None, who=f" worker {self.rank}")
+        credit = Credit(None)
         backoff = Backoff(sleep=self._nap)
         last_check = time.monotonic()
         try:
             while True:
                 # 1. take new groups
-                if not self._take_groups(ready, windows, block=not ready and not inflight and not self._local_ops):
+                if not self._take_groups(ready, credit, block=not ready and not inflight and not self._local_ops):
                     self._stopped.set()
                     return
-                # 2. start tasks within the credit and result windows; 3. complete what finished
-                progressed = self._start_ready(ready, windows, inflight, sends, recvs)
-                progressed = self._retire_done(windows, inflight, sends, recvs) or progressed
+                # 2. start tasks within the credit; 3. complete what finished
+                progressed = self._start_ready(ready, credit, inflight, sends, recvs)
+                progressed = self._retire_done(credit, inflight, sends, recvs) or progressed
                 if self._local_ops:
                     progressed = self._retire_local(ready) or progressed
                 # 4. errors from servers and timeouts
@@ -199,7 +195,7 @@ class CommThread:
             _run_callbacks(group, error)
         self._stopped.set()
 
-    def _take_groups(self, ready: ReadyQueue, windows: SendWindows, block: bool) -> bool:
+    def _take_groups(self, ready: ReadyQueue, credit: Credit, block: bool) -> bool:
         """Expand the submitted groups into tasks (waiting for one if ``block``); False on stop()."""
         while block or not self._queue.empty():
             try:
@@ -210,45 +206,42 @@ class CommThread:
             if item is None:
                 return False
             group, policy = item
-            windows.configure(policy.credit_bytes, policy.result_window_bytes, policy.tail_credit_bytes)
+            credit.configure(policy.credit_bytes, policy.tail_credit_bytes)
             if group.tail_keys:
-                windows.begin_tail(group.tail_keys)
+                credit.begin_tail(group.tail_keys)
             self._expand(group, policy, ready)
         return True
 
-    def _start_ready(self, ready: ReadyQueue, windows: SendWindows, inflight: dict[int, _InFlight],
+    def _start_ready(self, ready: ReadyQueue, credit: Credit, inflight: dict[int, _InFlight],
                      sends: PendingRequests, recvs: PendingRequests) -> bool:
-        """Start every task the credit and result windows allow; True if any started."""
+        """Start every task the credit allows; True if any started."""
         started = False
-        now = time.monotonic()
-        while ready and (task := ready.take(windows, now)) is not None:
+        while ready and (task := ready.take(credit)) is not None:
             op = self._start(task)
             inflight[id(op)] = op
             sends.add(op.send, op)
             recvs.add(op.recv, op)
-            windows.started(task.nbytes, task.order, now)
+            credit.started(task.nbytes)
             started = True
         return started
 
-    def _retire_done(self, windows: SendWindows, inflight: dict[int, _InFlight], sends: PendingRequests,
+    def _retire_done(self, credit: Credit, inflight: dict[int, _InFlight], sends: PendingRequests,
                      recvs: PendingRequests) -> bool:
         """Account for finished pushes and results (one progress call per kind); True if any."""
         progressed = False
         for op in sends.completed():
             # Credit comes back when the push is delivered, not when the result is: the
-            # server always drains pushes, so credit never waits on another worker (the
-            # result window does, with the rule in schedule.py that keeps it deadlock-free).
+            # server always drains pushes, so credit never waits on another worker.
             op.send_done = True
-            windows.delivered(op.task.nbytes)
+            credit.delivered(op.task.nbytes)
             if op.task.group.urgent:
-                windows.urgent_delivered()
+                credit.urgent_delivered()
             progressed = True
             if op.recv_done:
                 del inflight[id(op)]
                 self._pushed(op)
         for op in recvs.completed():
             op.recv_done = True
-            windows.resulted(op.task.nbytes, op.task.order, time.monotonic())
             progressed = True
             if op.send_done:
                 del inflight[id(op)]
@@ -293,7 +286,7 @@ class CommThread:
             task = op.task
             if op.kind == "gather":  # the host's sum is ready: it waits for credit like any push
                 task.buffer = task.group.add_contributions(task.slot, len(op.peers))
-                ready.add(task, task.nbytes, task.priority, task.order, task.group.urgent)
+                ready.add(task, task.nbytes, task.priority, task.group.urgent)
             else:
                 self._finish(task, op.started)
         return bool(finished)
@@ -376,11 +369,10 @@ class CommThread:
             self._complete(group)
             return
         prio = group.priority if policy.priority else 0
-        number = next(self._seq)  # groups arrive in the same order on every worker
         for slot in slots:
-            task = _Task(group, slot, shared_order(prio, number, slot), prio)
+            task = _Task(group, slot, prio)
             if self.host_size == 1:
-                ready.add(task, task.nbytes, prio, task.order, group.urgent)
+                ready.add(task, task.nbytes, prio, group.urgent)
             elif key_owner(group.keys[slot].key, self.host_size) == self.local_rank:
                 self._start_local(task, "gather")
             else:

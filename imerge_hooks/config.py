@@ -47,7 +47,6 @@ _MiB = 1 << 20
 PARTITION_BYTES = 4 * _MiB
 CREDIT_BYTES = 8 * _MiB  # A/B of other sizes: benchmarks/run.py --alternate credit_bytes=...
 FUSION_THRESHOLD_BYTES = 25 * _MiB
-RESULT_WINDOW_BYTES: int | None = None  # the default of Config.result_window_bytes (and simulate)
 TAIL_CREDIT_BYTES: int | None = 1 * _MiB  # the default of Config.tail_credit_bytes (and simulate)
 
 
@@ -61,8 +60,6 @@ class Config:
     partition_bytes: int = PARTITION_BYTES
     credit_bytes: int = CREDIT_BYTES
     fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES
-    # None: off; it did not pay on the emulated cluster (benchmarks/run.py --alternate; see schedule.py)
-    result_window_bytes: int | None = RESULT_WINDOW_BYTES
     # Partitioned, planned schedules (imerge): while the next forward's first gradients are due,
     # other keys in flight are held to this (schedule, "tail credit"). None: off.
     tail_credit_bytes: int | None = TAIL_CREDIT_BYTES
@@ -115,9 +112,8 @@ class Config:
         for name in ("partition_bytes", "credit_bytes", "fusion_threshold_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"IMerge: {name} must be positive, got {getattr(self, name)}")
-        for name in ("result_window_bytes", "tail_credit_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"IMerge: {name} must be positive or None (off), got {getattr(self, name)}")
+        if self.tail_credit_bytes is not None and self.tail_credit_bytes <= 0:
+            raise ValueError(f"IMerge: tail_credit_bytes must be positive or None (off), got {self.tail_credit_bytes}")
         if self.timeout_s <= 0:
             raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
         if self.plan_search_budget_s is not None and self.plan_search_budget_s < 0:

@@ -41,10 +41,8 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   queued on its connection (below), so priority reorders only what waits for credit.
   With ``ClusterSpec.worker_message_s`` > 0 the worker's comm thread is a serial resource:
   posting a push and handling a result each take it that long, in the order they come (a push
-  flows only once posted; a result counts, and returns its window, only once handled).
-  Partitioned schedules also keep at most ``result_window_bytes`` of pushes whose results
-  have not come back, with the runtime's own :class:`~imerge_hooks.schedule.ReadyQueue`
-  (which may push an earlier key of the order all workers share instead; no backstop timer).
+  flows only once posted; a result counts only once handled). Keys wait in the runtime's own
+  :class:`~imerge_hooks.schedule.ReadyQueue` under its :class:`~imerge_hooks.schedule.Credit`.
 * **Network: fluid, max-min fair (processor sharing).** Every host has an egress and an
   ingress link of ``bandwidth_Bps`` (workers: push out / pull in; servers: push in / result
   out). A message in flight is a flow through its sender's egress and its receiver's
@@ -99,7 +97,6 @@ from .config import (
     CREDIT_BYTES,
     FUSION_THRESHOLD_BYTES,
     PARTITION_BYTES,
-    RESULT_WINDOW_BYTES,
     SCHEDULE_TRAITS,
     SCHEDULES,
     TAIL_CREDIT_BYTES,
@@ -108,7 +105,7 @@ from .layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys, key
 from .plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from .plan.planner import Plan, plan
 from .plan.search import SearchBudgetSpent, candidate_plans, searched_plan
-from .schedule import ReadyQueue, SendWindows, key_slots, shared_order, tail_group
+from .schedule import Credit, ReadyQueue, key_slots, tail_group
 from .timeline import dump_trace, lane_metadata, span_event, track_metadata
 
 # Sizes that calibrate_model "measures" (the grid of imerge_hooks.plan.calibrate: 1 KiB .. 64 MiB).
@@ -445,9 +442,7 @@ class _Msg:
 class _Worker:
     ptr: int = 0
     ready: ReadyQueue = field(default_factory=ReadyQueue)
-    windows: SendWindows = field(default_factory=lambda: SendWindows(None, None))
-    key_order: dict = field(default_factory=dict)  # key -> its shared order (schedule.shared_order)
-    submitted: int = 0  # groups submitted so far (the shared order's submission number)
+    credit: Credit = field(default_factory=lambda: Credit(None))
     missing: set = field(default_factory=set)  # groups the current gate still waits for
     key_meta: dict = field(default_factory=dict)  # owned key -> (priority, urgent) until its host's sum is ready
     wait_start: float = 0.0
@@ -471,7 +466,6 @@ class _Sim:
                  group_keys: Sequence[Sequence[int]], key_bytes: Sequence[int], key_server: Sequence[int],
                  workers: int, servers: int, bandwidth: float, startup: float, priority: bool, stagger: bool,
                  credit: int | None, push_after_backward: bool, overlap: bool, iterations: int,
-                 result_window: int | None = None,
                  record: bool = True, fabric: float | None = None, share_cv: float = 0.0,
                  share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
                  tail_credit: int | None = None, worker_message: float = 0.0, hosts: Sequence[int] | None = None,
@@ -535,9 +529,7 @@ class _Sim:
         ops += [(_GATE, 0, iterations), (_MARK, 0, iterations)]
         self.ops = ops
         W = workers
-        # No backstop timer in simulated time: schedule's rule alone is deadlock-free.
-        self.workers = [_Worker(windows=SendWindows(credit, result_window, escape_s=math.inf,
-                                                    tail_credit_bytes=tail_credit)) for _ in range(W)]
+        self.workers = [_Worker(credit=Credit(credit, tail_credit)) for _ in range(W)]
         # Tail credit (schedule): submitting tail_group starts the tail, the last group is urgent.
         self.tail_group = tail_group if tail_credit is not None else None
         self.urgent_group = G - 1 if self.tail_group is not None else -1
@@ -703,14 +695,11 @@ class _Sim:
         slots = key_slots([self.key_server[k] for k in keys], r, self.S, self.stagger)
         prio = self.group_prio[g] if self.priority else 0
         w = self.workers[r]
-        number = w.submitted
-        w.submitted += 1
         if g == self.tail_group:
-            w.windows.begin_tail(len(self.group_keys[self.urgent_group]))
+            w.credit.begin_tail(len(self.group_keys[self.urgent_group]))
         urgent = g == self.urgent_group
         for slot in slots:
             k = keys[slot]
-            w.key_order[k] = order = shared_order(prio, number, slot)
             owner = self.owner(k, r)
             if owner != r:  # host aggregation: the gradient goes to the key's owner on this host
                 self._send(_Msg(False, r, 0, k, self.key_bytes[k], self.links(r, owner), "contrib", (r, owner)))
@@ -718,7 +707,7 @@ class _Sim:
                 w.key_meta[k] = (prio, urgent)
                 self._contribution(r, k)
             else:
-                w.ready.add(k, self.key_bytes[k], prio, order, urgent)
+                w.ready.add(k, self.key_bytes[k], prio, urgent)
         self._pump(r)
 
     def _contribution(self, owner: int, k: int) -> None:
@@ -735,15 +724,15 @@ class _Sim:
     def _reduced(self, owner: int, k: int) -> None:
         w = self.workers[owner]
         prio, urgent = w.key_meta.pop(k)
-        w.ready.add(k, self.key_bytes[k], prio, w.key_order[k], urgent)
+        w.ready.add(k, self.key_bytes[k], prio, urgent)
         self._pump(owner)
 
     def _pump(self, r: int) -> None:
         w = self.workers[r]
-        ready, windows = w.ready, w.windows
-        while ready and (k := ready.take(windows, self.now)) is not None:
+        ready, credit = w.ready, w.credit
+        while ready and (k := ready.take(credit)) is not None:
             nbytes = self.key_bytes[k]
-            windows.started(nbytes, w.key_order[k], self.now)
+            credit.started(nbytes)
             s = self.key_server[k]
             m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + s),
                      coefs=(1.0, self.fold))
@@ -787,10 +776,10 @@ class _Sim:
                 self.timeline.append(Event(self.wtrack[m.worker], f"result {who} from server {m.server}",
                                            m.start, self.now, "pull", m.nbytes))
         if m.push:
-            windows = self.workers[m.worker].windows
-            windows.delivered(m.nbytes)
+            credit = self.workers[m.worker].credit
+            credit.delivered(m.nbytes)
             if self.key_group[m.key] == self.urgent_group:
-                windows.urgent_delivered()
+                credit.urgent_delivered()
             self._pump(m.worker)
             s = m.server
             start = max(self.now, self.cpu_free[s])
@@ -825,8 +814,6 @@ class _Sim:
 
     def _result_handled(self, m: _Msg) -> None:
         """Worker ``m.worker``'s comm thread has handled result ``m``."""
-        w = self.workers[m.worker]
-        w.windows.resulted(m.nbytes, w.key_order[m.key], self.now)
         self._pump(m.worker)
         mates = self.mates[m.worker]
         if mates:  # the owner hands its host the result; the key is done here when they have it
@@ -1061,7 +1048,7 @@ def fold_factor(cluster: ClusterSpec) -> int:
 
 def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInfo], group_keys, cluster: ClusterSpec,
               priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
-              result_window: int | None = None, tail_group: int | None = None, tail_credit: int | None = None,
+              tail_group: int | None = None, tail_credit: int | None = None,
               iterations: int, record: bool, fold: int = 1) -> _Sim:
     """The event loop for ``cluster``, its workers folded by ``fold`` (``fold_factor``): W/fold workers,
     every push and result standing for ``fold`` at its server, the fabric carrying 1/fold of the traffic."""
@@ -1071,7 +1058,6 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 key_server=[k.server for k in keys],
                 workers=cluster.workers // fold, servers=cluster.servers, bandwidth=cluster.bandwidth_Bps,
                 startup=cluster.startup_s, priority=priority, stagger=stagger, credit=credit,
-                result_window=result_window,
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
                 fabric=fabric, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
                 share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
@@ -1110,7 +1096,7 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
 
 def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: list[int], sizes: list[int],
                    ready_at: list[float], cost_model: CostModel, *, partition_bytes: int, credit_bytes: int,
-                   result_window_bytes: int | None, tail_credit_bytes: int | None, overlap_forward: bool | None,
+                   tail_credit_bytes: int | None, overlap_forward: bool | None,
                    iterations: int) -> Plan:
     """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
     sizes_r = [sizes[i] for i in order]
@@ -1120,7 +1106,7 @@ def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order:
               bound: float | None = None) -> float:
         return simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
                         partition_bytes=partition, credit_bytes=credit_bytes,
-                        result_window_bytes=result_window_bytes, tail_credit_bytes=tail_credit_bytes,
+                        tail_credit_bytes=tail_credit_bytes,
                         cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
                         stagger=stagger, give_up_s=bound).iteration_s
 
@@ -1146,7 +1132,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = PARTITION_BYTES,
-             credit_bytes: int = CREDIT_BYTES, result_window_bytes: int | None = RESULT_WINDOW_BYTES,
+             credit_bytes: int = CREDIT_BYTES,
              tail_credit_bytes: int | None = TAIL_CREDIT_BYTES,
              fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
@@ -1157,8 +1143,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
     (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
-    ``partition_bytes``/``credit_bytes``/``result_window_bytes`` (None: no window) matter for
-    partitioned schedules (priority, imerge),
+    ``partition_bytes``/``credit_bytes`` matter for partitioned schedules (priority, imerge),
     ``tail_credit_bytes`` (None: off) for imerge (``schedule``, tail credit),
     ``fusion_threshold_bytes`` for ``threshold``. ``cost_model``: what the planner of
     mgwfbp/adaptive-ps/imerge uses (anything with ``.time(nbytes)``); None: the
@@ -1222,7 +1207,6 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         if traits.planner == "optimal" and plan_search and len(sizes) > 1:
             plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, judged_on,
                                          partition_bytes=partition_bytes, credit_bytes=credit_bytes,
-                                         result_window_bytes=result_window_bytes,
                                          tail_credit_bytes=tail_credit_bytes,
                                          overlap_forward=overlap_forward, iterations=iterations)
         else:
@@ -1245,7 +1229,6 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
                     priority=traits.priority, stagger=traits.stagger if stagger is None else bool(stagger),
                     credit=credit_bytes if traits.partition else None,
-                    result_window=result_window_bytes if traits.partition else None,
                     tail_group=tail, tail_credit=tail_credit_bytes,
                     push_after_backward=traits.push_after_backward,
                     overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),

@@ -53,20 +53,6 @@ def test_matches_synchronous_training(tmp_path, env, workers, servers):
         assert state_diff(mid["optimizer"], ref_opt) <= TOL, (schedule, opt, "mid-training optimizer state")
 
 
-def test_a_result_window_of_one_partition_neither_deadlocks_nor_changes_the_result(tmp_path, env):
-    """Workers wait for each other's pushes through the result window; with stagger and priority
-    their push orders differ, and a window of one partition is where a careless rule would
-    deadlock (schedule.py explains why it cannot). The backstop timer must never fire."""
-    out = str(tmp_path / "{schedule}-{optimizer}.pt")
-    run = run_mpi(SCRIPT, 3 + 2, out, "--schedule", "priority,imerge", "--optimizer", "sgd", "--steps", "6",
-                  "--profile-steps", "2", servers=2, env={**env, "IMERGE_RESULT_WINDOW_BYTES": "8192"},
-                  timeout=300).check()
-    assert "backstop" not in run.stderr + run.stdout
-    for schedule in ("priority", "imerge"):
-        assert max_diff(torch.load(out.format(schedule=schedule, optimizer="sgd")),
-                        reference_train("sgd", 6)) <= TOL, schedule
-
-
 def test_late_layer_waits_while_front_layers_already_ran(env):
     """Overlap really happens: with slow communication the front layers run before the big last
     layer's group has arrived, and only that layer's pre-hook waits (event order, not wall-clock)."""

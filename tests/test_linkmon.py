@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.netlab.linkmon import rates, summarize
+from benchmarks.netlab.linkmon import summarize
+from imerge_hooks.timeline_report import rates
 
 LINK = 100.0  # bytes/s
 

@@ -181,9 +181,9 @@ def test_alternate_policies_for_an_ab_in_one_plan():
     from imerge_hooks.schedule import SchedulePolicy
 
     engine = SimpleNamespace(policy=SchedulePolicy(priority=True, stagger=True, credit_bytes=8 << 20))
-    a, b = _ab_policies(engine, "result_window_bytes=16777216,credit_bytes=none")
-    assert a == vars(engine.policy) and a["result_window_bytes"] is None
-    assert b == {**a, "result_window_bytes": 16 << 20, "credit_bytes": None}
+    a, b = _ab_policies(engine, "tail_credit_bytes=16777216,credit_bytes=none")
+    assert a == vars(engine.policy) and a["tail_credit_bytes"] is None
+    assert b == {**a, "tail_credit_bytes": 16 << 20, "credit_bytes": None}
     assert _ab_policies(engine, None) is None
     assert _ab_policies(SimpleNamespace(policy=SchedulePolicy()), "credit_bytes=1") is None  # not partitioned
     with pytest.raises(SystemExit, match="no field 'window'"):

@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from imerge_hooks.timeline_report import rates
+
 from . import netlab as nl
 
 
@@ -85,24 +87,6 @@ class LinkMonitor:
                 self.samples.append(s)
             next_t += self.interval_s
             self._stop.wait(max(0.0, next_t - time.monotonic()))
-
-
-def rates(samples: Sequence[tuple[float, list[tuple[int, int]]]], window_s: float
-          ) -> list[tuple[float, list[float], list[float]]]:
-    """(window start, upload B/s per host, download B/s per host) over consecutive windows."""
-    out = []
-    i = 0
-    while i < len(samples) - 1:
-        t0, a = samples[i]
-        j = i + 1
-        while j < len(samples) - 1 and samples[j][0] - t0 < window_s * 0.999:
-            j += 1
-        t1, b = samples[j]
-        dt = t1 - t0
-        if dt > 0:
-            out.append((t0, [(y[0] - x[0]) / dt for x, y in zip(a, b)], [(y[1] - x[1]) / dt for x, y in zip(a, b)]))
-        i = j
-    return out
 
 
 def summarize(samples: Sequence[tuple[float, list[tuple[int, int]]]], workers: int, servers: int,

@@ -24,7 +24,7 @@ from .planner import Plan
 
 log = logging.getLogger("imerge")
 
-_SETTINGS = ("schedule", "partition_bytes", "credit_bytes", "result_window_bytes", "tail_credit_bytes",
+_SETTINGS = ("schedule", "partition_bytes", "credit_bytes", "tail_credit_bytes",
              "fusion_threshold_bytes", "plan_search", "overlap_forward")
 
 

@@ -105,7 +105,7 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
     def _simulated(groups: list[list[int]], partition: int, stagger: bool | None, bound: float | None) -> float:
         # The spec's tensor t (registration order) is ready-order position n-1-t.
         return simulate(spec, cluster, cfg.schedule, partition_bytes=partition, credit_bytes=cfg.credit_bytes,
-                        result_window_bytes=cfg.result_window_bytes, tail_credit_bytes=cfg.tail_credit_bytes,
+                        tail_credit_bytes=cfg.tail_credit_bytes,
                         cost_model=cost_model, iterations=3, overlap_forward=cfg.overlap, timeline=False,
                         groups=[[n - 1 - i for i in g] for g in groups], stagger=stagger,
                         give_up_s=bound, cpu_deadline=deadline).iteration_s

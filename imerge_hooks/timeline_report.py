@@ -1,7 +1,7 @@
 """Where does a measured iteration go? A text report of an ``IMERGE_TIMELINE`` trace.
 
-    python benchmarks/timeline_report.py results/timeline-resnet50-w8-s2-imerge-measured.json \\
-        [--links results/logs/<name>/resnet50-w8-s2-timeline.links.json] [--link-rate 125e6] [--json out.json]
+    imerge-timeline-report trace.json [--links links.json] [--link-rate 125e6] [--json out.json]
+    python -m imerge_hooks.timeline_report trace.json ...   (the same)
 
 For every worker and iteration (backward start to the next backward start) it splits the
 time into backward, forward compute and the optimizer's waits, and separates the **first
@@ -22,18 +22,31 @@ import argparse
 import json
 import re
 import statistics
-import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as a script
-    sys.path.insert(0, str(REPO))
-
-from benchmarks.netlab.linkmon import rates  # noqa: E402
-
 _KEY = re.compile(r"key (\d+)")
+
+
+def rates(samples: Sequence[tuple[float, list[tuple[int, int]]]], window_s: float
+          ) -> list[tuple[float, list[float], list[float]]]:
+    """(window start, upload B/s per host, download B/s per host) over consecutive windows of link
+    byte-counter samples ``(time, [(tx bytes, rx bytes) per host])``."""
+    out = []
+    i = 0
+    while i < len(samples) - 1:
+        t0, a = samples[i]
+        j = i + 1
+        while j < len(samples) - 1 and samples[j][0] - t0 < window_s * 0.999:
+            j += 1
+        t1, b = samples[j]
+        dt = t1 - t0
+        if dt > 0:
+            out.append((t0, [(y[0] - x[0]) / dt for x, y in zip(a, b)], [(y[1] - x[1]) / dt for x, y in zip(a, b)]))
+        i = j
+    return out
 
 
 def load_trace(path: str | Path) -> tuple[dict[str, list[dict]], float | None]:
