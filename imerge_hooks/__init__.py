@@ -27,14 +27,6 @@ from .errors import (
     IMergeUsageError,
 )
 from .horovod_api import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
-    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -49,14 +41,6 @@ from .horovod_api import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
     grouped_allgather,
     grouped_allgather_async,
     grouped_allreduce,
@@ -65,72 +49,56 @@ from .horovod_api import (
     grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+    synchronize,
+)
+from .layout import Compression, Compressor, compression_name
+from .ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+)
+from .optimizer import DistributedOptimizer
+from .process import (
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
     init,
     is_homogeneous,
     is_initialized,
+    is_server,
     join,
+    local_rank,
+    local_size,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
-    poll,
-    reducescatter,
-    reducescatter_async,
+    num_servers,
+    rank,
     remove_process_set,
     rocm_built,
-    sparse_allreduce_async,
+    size,
     start_timeline,
     stop_timeline,
-    synchronize,
 )
-from .layout import Compression, Compressor, compression_name
-from .optimizer import DistributedOptimizer
 from .runtime import shutdown, worker_group
 from .state_broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
-
-
-def is_server() -> bool:
-    """True on parameter-server ranks (user code after ``init()`` normally never sees this)."""
-    from . import runtime
-
-    return runtime.topology().is_server
-
-
-def rank() -> int:
-    """This worker's rank among the workers (0 .. size()-1)."""
-    from . import runtime
-
-    return runtime.topology().worker_rank
-
-
-def size() -> int:
-    """Number of workers (servers not counted)."""
-    from . import runtime
-
-    return runtime.topology().num_workers
-
-
-def local_rank() -> int:
-    """This worker's rank among the workers on its host."""
-    from . import runtime
-
-    return runtime.topology().local_rank
-
-
-def local_size() -> int:
-    """Number of workers on this host."""
-    from . import runtime
-
-    return runtime.topology().local_size
-
-
-def num_servers() -> int:
-    """Number of parameter-server ranks."""
-    from . import runtime
-
-    return runtime.topology().num_servers
 
 
 __all__ = [

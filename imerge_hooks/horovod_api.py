@@ -17,16 +17,10 @@ is always True; only the global process set exists.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import enum
 import itertools
 import operator
-import os
-import sys
-import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -42,94 +36,16 @@ from .errors import (
 )
 from .failure import record_fatal, whoami
 from .layout import Compression
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, reduce_op, resolve_op  # noqa: F401
 from .polling import DeadlineWait
+from .process import check_process_set, global_process_set
 from .topology import Topology
-
-
-class ReduceOp(enum.IntEnum):
-    """Horovod's reduction ops (same values as Horovod's ``ReduceOp``)."""
-
-    Average = 0
-    Sum = 1
-    Adasum = 2
-    Min = 3
-    Max = 4
-    Product = 5
-
-
-Average, Sum, Adasum, Min, Max, Product = (ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum, ReduceOp.Min,
-                                           ReduceOp.Max, ReduceOp.Product)
 
 _MPI_OPS = {ReduceOp.Average: "SUM", ReduceOp.Sum: "SUM", ReduceOp.Min: "MIN", ReduceOp.Max: "MAX",
             ReduceOp.Product: "PROD"}
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
               torch.int32, torch.int64)
 _unnamed = itertools.count()
-
-
-# ---------------------------------------------------------------------- ops and arguments
-def reduce_op(op: Any, where: str = "IMerge") -> ReduceOp:
-    """``op`` as a ReduceOp; Adasum and unknown values raise IMergeConfigError."""
-    try:
-        value = ReduceOp(op)
-    except ValueError:
-        raise IMergeConfigError(f"{where}: unknown reduction op {op!r}; use imerge_hooks.Average, Sum, Min, Max "
-                                "or Product") from None
-    if value is ReduceOp.Adasum:
-        raise IMergeConfigError(f"{where}: op=Adasum is not supported by IMerge (its servers sum gradients); use "
-                                "op=imerge_hooks.Average")
-    return value
-
-
-def resolve_op(op: Any, average: bool | None, where: str = "IMerge") -> ReduceOp:
-    """Horovod's ``average=`` (deprecated) and ``op=`` rule: only one of them; default Average."""
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
-                      DeprecationWarning, stacklevel=3)
-        return ReduceOp.Average if average else ReduceOp.Sum
-    return ReduceOp.Average if op is None else reduce_op(op, where)
-
-
-class _GlobalProcessSet:
-    """Horovod's ``global_process_set``: every worker (the only process set IMerge has)."""
-
-    process_set_id = 0
-
-    def rank(self) -> int:
-        return runtime.topology().worker_rank
-
-    def size(self) -> int:
-        return runtime.topology().num_workers
-
-    def included(self) -> bool:
-        return not runtime.topology().is_server
-
-    def __repr__(self) -> str:
-        return "global_process_set"
-
-
-global_process_set = _GlobalProcessSet()
-
-
-def check_process_set(process_set: Any, where: str) -> None:
-    """Only the global process set (or None) is accepted."""
-    if process_set is not None and process_set is not global_process_set:
-        raise IMergeConfigError(f"IMerge: {where}: process sets are not supported; every op runs over all workers "
-                                "(pass process_set=None or imerge_hooks.global_process_set)")
-
-
-def add_process_set(*_args: Any, **_kwargs: Any) -> None:
-    """Refused: IMerge has one process set, all workers."""
-    raise IMergeConfigError("IMerge: add_process_set: process sets are not supported; every op runs over all "
-                            "workers")
-
-
-def remove_process_set(*_args: Any, **_kwargs: Any) -> None:
-    """Refused: IMerge has one process set, all workers."""
-    raise IMergeConfigError("IMerge: remove_process_set: process sets are not supported; every op runs over all "
-                            "workers")
 
 
 def _compressor(compression: Any) -> Any:
@@ -784,143 +700,3 @@ def barrier(process_set: Any = global_process_set) -> None:
     """Return when every worker has called ``barrier()`` (with a deadline)."""
     check_process_set(process_set, "barrier")
     collective(_topology().worker_comm, "barrier", None, "barrier()", call="barrier()")
-
-
-def join(device: int = -1) -> int:
-    """Horovod's ``join(device)``: ``imerge_hooks.runtime.join()`` (``device`` is not needed)."""
-    return runtime.join()
-
-
-# ---------------------------------------------------------------------- start-up and information
-_cross: tuple[int, int, bool] | None = None  # (cross_rank, cross_size, homogeneous)
-
-
-def init(num_servers: int | None = None, *, serve: str = "forever", **config: Any) -> None:
-    """``runtime.init`` (collective over COMM_WORLD: servers serve there and exit), then on the workers
-    the host layout behind ``cross_rank()``/``cross_size()`` (a worker collective), so those are local.
-
-    A server's process ends in here once its workers are done, even under a test runner: unittest
-    (and pytest running it) catches the ``SystemExit`` that ends a server, and would go on to run
-    the rest of the suite on the server (``mpiexec -n W+S pytest``, as Horovod's suites run).
-    """
-    try:
-        runtime.init(num_servers, serve=serve, **config)
-    except SystemExit as done:
-        if runtime.is_initialized() and runtime.topology().is_server:
-            _end_server_process(done.code if isinstance(done.code, int) else 0)
-        raise
-    if not runtime.topology().is_server:
-        _host_layout()
-
-
-def _end_server_process(code: int) -> NoReturn:
-    """What the interpreter's exit does (atexit handlers, flushed streams, MPI_Finalize, C ``exit``).
-
-    C ``exit``, not ``os._exit``: MPICH's process manager sometimes takes a process that ``_exit``s
-    right after MPI_Finalize for a crashed one; it then kills the other ranks and the job's exit
-    status is lost (measured: 9 or 0 where the workers exited 1, in about one launch in three).
-    """
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.Finalize()
-    ctypes.CDLL(None).exit(code)
-    os._exit(code)  # not reached
-
-
-def _host_layout() -> tuple[int, int, bool]:
-    """Cross rank/size (workers with this local rank, one per host) and homogeneity; a worker
-    collective the first time (``init()`` does it, so the info functions are local afterwards)."""
-    global _cross
-    if _cross is None:
-        topo = _topology()
-        ranks = collective(topo.worker_comm, "allgather", (topo.local_rank, topo.local_size),
-                           "the workers' local ranks (cross_rank, cross_size)")
-        peers = [r for r, (local, _) in enumerate(ranks) if local == topo.local_rank]
-        _cross = (peers.index(topo.worker_rank), len(peers), len({size for _, size in ranks}) == 1)
-    return _cross
-
-
-def is_initialized() -> bool:
-    """Whether ``init()`` has run in this process."""
-    return runtime.is_initialized()
-
-
-def cross_rank() -> int:
-    """This worker's host index among the hosts with a worker of its local rank (Horovod's cross rank)."""
-    return _host_layout()[0]
-
-
-def cross_size() -> int:
-    """How many hosts have a worker with this worker's local rank (the number of hosts, when homogeneous)."""
-    return _host_layout()[1]
-
-
-def is_homogeneous() -> bool:
-    """Whether every host runs the same number of workers."""
-    return _host_layout()[2]
-
-
-def mpi_threads_supported() -> bool:
-    """True: IMerge needs MPI_THREAD_MULTIPLE (its comm thread calls MPI)."""
-    return True
-
-
-def mpi_enabled() -> bool:
-    """True: IMerge runs over MPI."""
-    return True
-
-
-def mpi_built() -> bool:
-    """True: IMerge runs over MPI (mpi4py)."""
-    return True
-
-
-def gloo_enabled() -> bool:
-    """False: IMerge has no Gloo controller."""
-    return False
-
-
-def gloo_built() -> bool:
-    """False: IMerge has no Gloo controller."""
-    return False
-
-
-def nccl_built() -> bool:
-    """False: IMerge's collectives never use NCCL (tensors go through host memory over MPI)."""
-    return False
-
-
-def ddl_built() -> bool:
-    """False: no IBM DDL."""
-    return False
-
-
-def ccl_built() -> bool:
-    """False: no oneCCL."""
-    return False
-
-
-def cuda_built() -> bool:
-    """Whether this torch was built with CUDA (CUDA tensors are accepted; they are staged through the host)."""
-    return bool(torch.backends.cuda.is_built())
-
-
-def rocm_built() -> bool:
-    """False: ROCm builds are not supported."""
-    return False
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Refused: IMerge's timeline is chosen at start-up."""
-    raise IMergeConfigError("IMerge: start_timeline is not supported; set IMERGE_TIMELINE=path (or "
-                            "imerge_hooks.init(timeline=path)) to write a Chrome trace of the whole run")
-
-
-def stop_timeline() -> None:
-    """Refused: IMerge's timeline is chosen at start-up."""
-    raise IMergeConfigError("IMerge: stop_timeline is not supported; the IMERGE_TIMELINE trace covers the whole run")

@@ -15,9 +15,10 @@ from . import runtime
 from .config import Config
 from .engine import GradientEngine
 from .errors import IMergeConfigError, IMergeUsageError
-from .horovod_api import ReduceOp, check_process_set, reduce_op
 from .layout import compression_name, dtype_name
 from .naming import module_names
+from .ops import ReduceOp, reduce_op
+from .process import check_process_set
 from .wire import SUPPORTED_DTYPES
 
 SYNCHRONIZE_WARNING = ("optimizer.step() called without optimizer.skip_synchronize() context after "

@@ -11,8 +11,8 @@ from . import collectives, runtime
 from ._mpi import MPI
 from .errors import IMergeTimeoutError, IMergeUsageError
 from .failure import record_fatal, whoami
-from .horovod_api import check_process_set
 from .polling import DeadlineWait
+from .process import check_process_set
 
 _CHUNK_BYTES = 1 << 30  # one Ibcast per GiB: MPI counts are 32-bit
 
