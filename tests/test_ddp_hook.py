@@ -24,8 +24,10 @@ def train(tmp_path, name, workers, servers, *args):
 
 @pytest.mark.parametrize("workers,servers", [(2, 1)])  # 2 servers: the planned fusion test below
 def test_hook_matches_ddp_allreduce(tmp_path, workers, servers):
-    ref = train(tmp_path, "allreduce", workers, servers)
-    ours = train(tmp_path, "hook", workers, servers, "--hook")
+    out = tmp_path / "{schedule}.pt"
+    run_mpi(SCRIPT, workers + servers, str(out), "--hook", "--schedule", "allreduce,wfbp", servers=servers,
+            timeout=150).check()
+    ref, ours = (torch.load(str(out).format(schedule=s)) for s in ("allreduce", "wfbp"))
     assert max_diff(ours, ref) <= TOL
     assert max_diff(ours, reference_train("sgd", 5)) <= TOL
 
@@ -35,19 +37,23 @@ def test_hook_with_no_sync_accumulation_and_priority(tmp_path):
     assert max_diff(ours, reference_train("sgd", 5)) <= TOL
 
 
-@pytest.mark.parametrize("schedule", ["threshold", "adaptive-ps"])
-def test_planned_fusion_of_ddp_buckets(tmp_path, schedule):
-    """After profiling, adjacent DDP buckets are merged by the planner (a plan epoch change)."""
-    out = tmp_path / "hook.pt"
+def test_planned_fusion_of_ddp_buckets(tmp_path):
+    """After profiling, adjacent DDP buckets are merged by the planner (a plan epoch change); both
+    planned kinds in one launch, each training a fresh model."""
+    out = tmp_path / "hook-{schedule}.pt"
     env = {"IMERGE_PROFILE_STEPS": "3", "IMERGE_FUSION_THRESHOLD_BYTES": "10000000", "IMERGE_LOG_LEVEL": "INFO",
            "IMERGE_COST_MODEL_PATH": str(tmp_path / "ps-{workers}w-{servers}s-{hosts}.json")}
-    run = run_mpi(SCRIPT, 4, str(out), "--hook", "--schedule", schedule, "--steps", "7", servers=2, env=env,
-                  timeout=150).check()
-    assert " plan with " in run.stderr and " installed as plan epoch " in run.stderr
-    groups, _, buckets = run.lines(0, "GROUPS")[0].split()
-    if schedule == "threshold":  # a threshold above the model's bytes: every bucket in one group
-        assert int(groups) == 1 < int(buckets)
-    assert max_diff(torch.load(out), reference_train("sgd", 7)) <= TOL
+    schedules = ("threshold", "adaptive-ps")
+    run = run_mpi(SCRIPT, 4, str(out), "--hook", "--schedule", ",".join(schedules), "--steps", "7", servers=2,
+                  env=env, timeout=200).check()
+    for method in ("threshold", "optimal"):
+        assert f"IMerge: {method} plan with " in run.stderr and " installed as plan epoch " in run.stderr, method
+    layouts = [line.split() for line in run.lines(0, "GROUPS")]
+    assert len(layouts) == 2
+    groups, _, buckets = layouts[0]  # threshold above the model's bytes: every bucket in one group
+    assert int(groups) == 1 < int(buckets)
+    for schedule in schedules:
+        assert max_diff(torch.load(str(out).format(schedule=schedule)), reference_train("sgd", 7)) <= TOL, schedule
 
 
 def test_hook_refuses_torch_distributed_over_every_rank(tmp_path):

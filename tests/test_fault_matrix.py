@@ -27,7 +27,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "kill_rank.py"
 CASES = {
     "kill worker": (1, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
     "kill server": (2, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
-    "stop server": (2, "stop", {"IMERGE_TIMEOUT_S": "20"}, 45,
+    "stop server": (2, "stop", {"IMERGE_TIMEOUT_S": "10"}, 35,
                     r"worker \d \(world rank \d\): uncaught IMergeTimeoutError: .*server\(?s?\)? \[?0"),
     # All ranks on one host: host aggregation, so worker 0, which sums half of the keys, names worker 1.
     "stop worker": (1, "stop", {"IMERGE_TIMEOUT_S": "10"}, 30,

@@ -39,8 +39,9 @@ def test_single_process_without_servers(tmp_path):
 
 
 def test_matches_torch_ddp(tmp_path):
-    ddp = train(tmp_path, 2, 1, "--ddp", "--optimizer", "sgd")
-    ours = train(tmp_path, 2, 1, "--schedule", "wfbp", "--optimizer", "sgd")
+    out = tmp_path / "{schedule}-{optimizer}.pt"
+    run_mpi(SCRIPT, 3, str(out), "--schedule", "ddp,wfbp", "--optimizer", "sgd", servers=1, timeout=150).check()
+    ddp, ours = (torch.load(str(out).format(schedule=s, optimizer="sgd")) for s in ("ddp", "wfbp"))
     assert max_diff(ddp, ours) <= TOL
     assert max_diff(ddp, reference_train("sgd", 5)) <= TOL
 

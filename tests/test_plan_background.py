@@ -35,27 +35,29 @@ def test_budget_stops_the_search_and_a_large_budget_does_not():
     choose_plan(**off, cpu_budget_s=0.0)  # the DP alone is no search: the budget does not apply
 
 
-def test_background_search_chooses_the_foreground_plan():
+def wait_for(search: BackgroundSearch, limit_s: float = 120.0):
+    deadline = time.monotonic() + limit_s
+    while (got := search.result()) is None:
+        assert time.monotonic() < deadline, f"the background search did not finish in {limit_s:.0f} s"
+        time.sleep(0.1)
+    return got
+
+
+def test_background_search_chooses_the_foreground_plan_and_a_failure_is_reported():
     args = inputs()
-    expected = choose_plan(**args)
+    failing = BackgroundSearch({"sizes": "not a list"})  # both children start at once (fewer seconds)
     search = BackgroundSearch(args)
     folder = search.folder
-    deadline = time.monotonic() + 120
-    while (got := search.result()) is None:
-        assert time.monotonic() < deadline, "the background search did not finish in 120 s"
-        time.sleep(0.1)
+    expected = choose_plan(**args)
+    got = wait_for(search)
     assert got.groups == expected.groups and got.partition_bytes == expected.partition_bytes
     assert got.stagger == expected.stagger and got.note == expected.note
     assert search.seconds is not None and not os.path.exists(folder)
-
-
-def test_background_search_failure_and_close():
-    search = BackgroundSearch({"sizes": "not a list"})
-    deadline = time.monotonic() + 120
     with pytest.raises(RuntimeError, match="background plan search exited with status"):
-        while search.result() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(failing)
+
+
+def test_close_stops_a_running_search():
     running = BackgroundSearch(inputs(64, 64))
     running.close()
     assert running.process.poll() is not None and not os.path.exists(running.folder)

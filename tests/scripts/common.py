@@ -80,3 +80,15 @@ def reference_train(opt_name: str, steps: int, unused: bool = False, passes: int
 def say(rank: int, *parts: object) -> None:
     sys.stdout.write(f"@{rank} " + " ".join(str(p) for p in parts) + "\n")
     sys.stdout.flush()
+
+
+def key_bytes(engine) -> tuple[int, int]:
+    """The bytes of an engine's keys on the wire, and of the same elements at the model's own precision
+    (what an uncompressed run sends)."""
+    wire = full = 0
+    for group in engine.groups:
+        for key in group.keys:
+            elements = key.nbytes // torch.empty(0, dtype=getattr(torch, key.dtype)).element_size()
+            wire += key.nbytes
+            full += elements * group.flat.element_size()
+    return wire, full

@@ -2,7 +2,8 @@
 
 Usage: python train_ddp_hook.py OUT [--hook] [--schedule wfbp[,imerge,...]] [--accumulate 2]
 
-With several schedules, each trains a fresh model in turn and OUT names its file with ``{schedule}``.
+With several schedules, each trains a fresh model in turn and OUT names its file with ``{schedule}``;
+the schedule ``allreduce`` trains with DDP's own all-reduce (no hook), the reference in the same launch.
 """
 
 import argparse
@@ -11,7 +12,7 @@ import copy
 import pickle
 
 import torch
-from common import batch, loss_fn, make_model, make_optimizer, say, shard
+from common import batch, key_bytes, loss_fn, make_model, make_optimizer, say, shard
 
 import imerge_hooks as imh
 
@@ -35,7 +36,7 @@ def train(schedule: str, out: str) -> None:
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
                                                     bucket_cap_mb=args.bucket_cap_mb)
     state = None
-    if args.hook:
+    if args.hook and schedule != "allreduce":  # "allreduce": DDP's own all-reduce, the reference
         state = imh.IMergeHookState(schedule=schedule, named_parameters=model.named_parameters(),
                                     compression=args.compression)
         # A hook state goes into checkpoints and copies, as PowerSGD's does.
@@ -61,7 +62,7 @@ def train(schedule: str, out: str) -> None:
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
     if state is not None:
-        say(rank, "KEYBYTES", sum(k.nbytes for g in state.engine.groups for k in g.keys))
+        say(rank, "KEYBYTES", *key_bytes(state.engine))
         say(rank, "GROUPS", len(state.engine.groups), "BUCKETS", len(state.signature))
         if state.engine is not None:  # retire its keys before the next schedule registers its own
             state.engine.close()

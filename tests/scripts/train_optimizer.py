@@ -2,7 +2,8 @@
 
 Usage: python train_optimizer.py OUT --schedule wfbp[,default,...] --optimizer sgd[,adam,...] [--steps 5]
        [--unused] [--passes 2] [--ddp] [--scheduler] [--state-at K] [--compression fp16] [--until-planned]
-Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches);
+Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches; the schedule
+``ddp`` is torch DDP over gloo, as --ddp);
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
 that path + ".mid". --until-planned: after --steps, go on stepping (a little slower) while a
@@ -13,7 +14,7 @@ import argparse
 import time
 
 import torch
-from common import batch, loss_fn, make_model, make_optimizer, say, shard
+from common import batch, key_bytes, loss_fn, make_model, make_optimizer, say, shard
 
 import imerge_hooks as imh
 
@@ -39,7 +40,8 @@ say(rank, "AGGREGATE", imh.runtime.topology().aggregate_in_host, imh.runtime.top
 
 def run(schedule: str, opt_name: str, out: str) -> None:
     model = make_model(args.unused)
-    if args.ddp:
+    ddp = args.ddp or schedule == "ddp"
+    if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group())
         opt = make_optimizer(opt_name, model.parameters())
     else:
@@ -70,8 +72,8 @@ def run(schedule: str, opt_name: str, out: str) -> None:
         step += 1
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
-    if not args.ddp:
-        say(rank, "KEYBYTES", sum(k.nbytes for g in opt._imerge_engine.groups for k in g.keys))
+    if not ddp:
+        say(rank, "KEYBYTES", *key_bytes(opt._imerge_engine))
     say(rank, "STEPS", step)
     say(rank, "done", schedule, opt_name)
 
