@@ -7,7 +7,7 @@ Every (schedule, optimizer) pair trains a fresh model in this one job (fewer lau
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
 that path + ".mid". --until-planned: after --steps, go on stepping (a little slower) while a
-background plan search is pending (every worker knows the same), at most 2000 steps; says STEPS n.
+background plan search is pending (every worker knows the same), at most 10000 steps; says STEPS n.
 """
 
 import argparse
@@ -53,7 +53,9 @@ def run(schedule: str, opt_name: str, out: str) -> None:
         imh.broadcast_parameters(model.state_dict(), root_rank=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
     step = 0
-    while step < args.steps or (args.until_planned and opt._imerge_engine.replanner.pending and step < 2000):
+    # --until-planned: every worker sees the same pending flag and counts the same steps, so all stop
+    # at the same step (a cap in seconds would differ from worker to worker)
+    while step < args.steps or (args.until_planned and opt._imerge_engine.replanner.pending and step < 10000):
         if step >= args.steps:
             time.sleep(0.02)
         opt.zero_grad()
