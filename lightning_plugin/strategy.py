@@ -29,6 +29,7 @@ import torch
 import torch.distributed
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
+from typing_extensions import override
 
 import imerge_hooks
 from imerge_hooks import runtime
@@ -101,6 +102,7 @@ class IMergeStrategy(ParallelStrategy):
         return self._environment.topology().is_server
 
     @property
+    @override
     def root_device(self) -> torch.device:
         device = self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
         if device.type == "cuda":  # the GPU init() bound this worker to: its local rank among its host's workers
@@ -112,6 +114,7 @@ class IMergeStrategy(ParallelStrategy):
         return self.world_size > 1
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
@@ -119,6 +122,7 @@ class IMergeStrategy(ParallelStrategy):
         # One object shared by lightning_utilities, lightning_fabric and (pytorch_)lightning.
         rank_zero_only.rank = self.global_rank
 
+    @override
     def _configure_launcher(self) -> None:
         devices = self.parallel_devices or []
         if len(devices) > 1:
@@ -131,6 +135,7 @@ class IMergeStrategy(ParallelStrategy):
         self._launcher = IMergeLauncher(self.start_imerge)
 
     # ------------------------------------------------------------------ set-up (workers only)
+    @override
     def setup_environment(self) -> None:
         """The device, the seed and torch.distributed over the workers (collectives)."""
         super().setup_environment()
@@ -139,6 +144,7 @@ class IMergeStrategy(ParallelStrategy):
         if self.world_size > 1:
             imerge_hooks.worker_group()  # torch.distributed over the workers: reduce, barrier, broadcast
 
+    @override
     def setup(self, trainer: Any) -> None:
         self._trainer = trainer
         self._buffers_follow = True  # as a new DDP wrapper of this stage
@@ -154,6 +160,7 @@ class IMergeStrategy(ParallelStrategy):
         imerge_hooks.broadcast_parameters(named, root_rank=0)  # every worker starts from worker 0's state
         self._synchronize_before_manual_clipping()
 
+    @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         module = self.lightning_module
@@ -165,6 +172,7 @@ class IMergeStrategy(ParallelStrategy):
         # Re-assigning rebuilds the LightningOptimizer wrappers over the wrapped classes (zero_grad in place).
         self.optimizers = [_distribute(opt, named, config) for opt in self.optimizers]
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -189,6 +197,7 @@ class IMergeStrategy(ParallelStrategy):
         plugin._imerge_clip = True
 
     # ------------------------------------------------------------------ training
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # In manual optimization Lightning's DDP turns DDP's gradient sync off after each training_step
         # forward (it reduces in manual_backward), and with it DDP's buffer broadcast before the next
@@ -198,6 +207,7 @@ class IMergeStrategy(ParallelStrategy):
         self._before_forward(syncs_gradients=not self._blocking_sync and not manual)
         return super().training_step(*args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = getattr(self, "_trainer", None)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # DDP's forward runs it then
@@ -205,6 +215,7 @@ class IMergeStrategy(ParallelStrategy):
         return super().validation_step(*args, **kwargs)
 
     @contextlib.contextmanager
+    @override
     def block_backward_sync(self) -> Iterator[None]:
         """Lightning's accumulation micro-batches (DDP's ``no_sync``); IMerge accumulates by itself."""
         self._blocking_sync = True
@@ -222,6 +233,7 @@ class IMergeStrategy(ParallelStrategy):
                 torch.distributed.broadcast(buffer, src=0)
         self._buffers_follow = syncs_gradients and torch.is_grad_enabled()
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Manual optimization may call ``manual_backward`` several times before ``step()``; each
         earlier backward's gradients are averaged first, so the next one adds to averaged
@@ -233,6 +245,7 @@ class IMergeStrategy(ParallelStrategy):
                     inner.synchronize()
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         inner = _imerge_optimizer(optimizer)
         if inner is not None and inner.gradients_averaged:  # manual clip_gradients synchronised already
@@ -262,6 +275,7 @@ class IMergeStrategy(ParallelStrategy):
         callbacks = trainer.callbacks if trainer is not None else []
         return any(is_overridden("on_before_optimizer_step", cb) for cb in callbacks)
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # GradientAccumulationScheduler may change accumulate_grad_batches between epochs.
         trainer = getattr(self, "_trainer", None)
@@ -272,36 +286,49 @@ class IMergeStrategy(ParallelStrategy):
             opt.set_backward_passes_per_step(self._passes)
 
     # ------------------------------------------------------------------ pending updates
+    @override
     def on_validation_start(self) -> None:
         runtime.flush_all()
 
+    @override
     def on_test_start(self) -> None:
         runtime.flush_all()
 
+    @override
     def on_predict_start(self) -> None:
         runtime.flush_all()
 
+    @override
     def on_train_end(self) -> None:
         runtime.flush_all()
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         runtime.flush_all()
         return super().lightning_module_state_dict()
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         runtime.flush_all()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # worker 0 writes
 
     # ------------------------------------------------------------------ collectives over the workers
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":  # as Lightning's DDP: the barrier on this worker's GPU
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
             torch.distributed.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -310,6 +337,7 @@ class IMergeStrategy(ParallelStrategy):
         return holder[0]
 
     # ------------------------------------------------------------------ tear-down
+    @override
     def teardown(self) -> None:
         """Close the IMerge optimizers (hooks, callbacks, the servers' keys), then Lightning's tear-down.
 
@@ -334,6 +362,7 @@ class IMergeStrategy(ParallelStrategy):
         return runtime.topology().num_servers == 0 or (isinstance(launcher, IMergeLauncher) and launcher.in_stage)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Lightning's hook for a strategy to register itself: the package's one registration."""
         from . import register_strategies
