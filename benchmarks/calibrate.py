@@ -33,18 +33,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import machine_info, mpiexec_path  # noqa: E402
+
 DEFAULT_OUT_DIR = REPO / "benchmarks" / "results"
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
@@ -94,51 +96,7 @@ def human_time(us: float) -> str:
     return f"{us:g} us"
 
 
-def mpiexec_path() -> str:
-    exe = Path(sys.executable).parent / "mpiexec"
-    return str(exe) if exe.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
 # ---------------------------------------------------------------------- machine info
-def machine_info() -> dict:
-    """What the numbers depend on. Reads versions without initialising MPI in this process."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def pkg(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    mpich_version = None
-    tool = Path(sys.executable).parent / "mpichversion"
-    if tool.exists():
-        try:
-            out = subprocess.run([str(tool)], capture_output=True, text=True, timeout=30).stdout
-            for line in out.splitlines():
-                if line.startswith("MPICH Version:"):
-                    mpich_version = line.split(":", 1)[1].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    try:
-        with open("/proc/loadavg") as fh:
-            load = fh.read().split()[:3]
-    except OSError:
-        load = None
-    return {
-        "hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
-        "nproc": os.cpu_count(), "nproc_affinity": affinity, "loadavg_at_start": load,
-        "python": sys.version.split()[0], "torch": pkg("torch"), "mpi4py": pkg("mpi4py"),
-        "mpich_version": mpich_version, "mpich_wheel": pkg("mpich"), "imerge": pkg("imerge-hooks"),
-        "mpiexec": mpiexec_path(), "omp_num_threads": "1",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 # ---------------------------------------------------------------------- one (W, S) run
 def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: str,
             budget_s: float | None = None) -> dict:

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.calibrate import machine_info, mpiexec_path  # noqa: E402
+from benchmarks.machine import machine_info, mpiexec_path  # noqa: E402
 
 CELLS = {  # name -> (ranks, servers)
     "single": (1, 0),

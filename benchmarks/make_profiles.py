@@ -66,6 +66,12 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import cpu_model  # noqa: E402
+
 MODELS = ("resnet18", "vgg16", "alexnet", "resnet50")
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -83,16 +89,7 @@ def device_label(device: torch.device) -> tuple[str, str]:
 
 
 def host_label() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cpus"
+    return f"{cpu_model() or platform.processor() or platform.machine()}, {os.cpu_count()} cpus"
 
 
 class _Clock:

@@ -74,6 +74,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.machine import loadavg  # noqa: E402
 from benchmarks.netlab import netlab as nl  # noqa: E402
 from benchmarks.netlab.cpumon import CpuMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import LinkMonitor  # noqa: E402
@@ -109,14 +110,6 @@ def parse_list(text: str, kind=str) -> list:
 def load_profile(model: str) -> dict:
     with open(PROFILES / f"{model}-cpu.json") as f:
         return json.load(f)
-
-
-def loadavg() -> list[float] | None:
-    try:
-        with open("/proc/loadavg") as f:
-            return [float(v) for v in f.read().split()[:3]]
-    except OSError:
-        return None
 
 
 def fmt_list(values: list[float]) -> str:
@@ -887,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict = {}
     if args.resume and json_path.exists():
         doc = json.loads(json_path.read_text())
-    from benchmarks.calibrate import machine_info
+    from benchmarks.machine import machine_info
 
     config = {"models": args.models, "workers": args.workers,
               "servers": int(S_spec) if str(S_spec).isdigit() else S_spec, "bandwidth": args.bandwidth,

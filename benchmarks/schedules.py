@@ -41,19 +41,20 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shlex
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import loadavg, machine_info, mpiexec_path  # noqa: E402
+
 EXAMPLE = REPO / "examples" / "resnet_synthetic.py"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "schedules.json"
 DEFAULT_CACHE = REPO / "benchmarks" / "results" / "cache"
@@ -101,68 +102,6 @@ def positive_int(text: str) -> int:
 
 
 # ---------------------------------------------------------------------- environment
-def mpiexec_path() -> str:
-    exe = Path(sys.executable).parent / "mpiexec"
-    return str(exe) if exe.exists() else (shutil.which("mpiexec") or "mpiexec")
-
-
-def loadavg() -> list[str] | None:
-    try:
-        with open("/proc/loadavg") as fh:
-            return fh.read().split()[:3]
-    except OSError:
-        return None
-
-
-def machine_info() -> dict:
-    """What the numbers depend on. Reads versions without initialising MPI in this process."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    def pkg(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    mpich_version = None
-    tool = Path(sys.executable).parent / "mpichversion"
-    if tool.exists():
-        try:
-            out = subprocess.run([str(tool)], capture_output=True, text=True, timeout=30).stdout
-            for line in out.splitlines():
-                if line.startswith("MPICH Version:"):
-                    mpich_version = line.split(":", 1)[1].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    cpu_model = None
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        git_rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                 cwd=str(REPO)).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        git_rev = None
-    return {
-        "hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
-        "cpu_model": cpu_model, "nproc": os.cpu_count(), "nproc_affinity": affinity,
-        "loadavg_at_start": loadavg(), "python": sys.version.split()[0], "torch": pkg("torch"),
-        "torchvision": pkg("torchvision"), "mpi4py": pkg("mpi4py"), "mpich_version": mpich_version,
-        "mpich_wheel": pkg("mpich"), "imerge": pkg("imerge-hooks"), "git_head": git_rev,
-        "mpiexec": mpiexec_path(), "omp_num_threads": "1",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
 def cost_model_file(cache_dir: Path, servers: int) -> Path | None:
     """The file the library keeps for (W=2, S) in ``cache_dir``, if there is one (its name ends in a
     digest of the cluster, ``imerge_hooks.plan.calibrate.cache_path``; the library checks it on load)."""

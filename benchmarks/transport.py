@@ -30,23 +30,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import socket
 import statistics
 import sys
 import time
 import traceback
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import imerge_hooks
 import imerge_hooks._mpi
-from imerge_hooks import runtime
-from imerge_hooks._mpi import MPI
-from imerge_hooks.engine import GradientEngine
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import loadavg  # noqa: E402
+from benchmarks.machine import machine_info as common_machine_info  # noqa: E402
+from imerge_hooks import runtime  # noqa: E402
+from imerge_hooks._mpi import MPI  # noqa: E402
+from imerge_hooks.engine import GradientEngine  # noqa: E402
 
 WORKER, SERVER = 0, 1
 RAW_TAG = 7
@@ -175,39 +181,15 @@ def summarize(times: list[float]) -> dict:
             "max_s": max(times), "n": len(times)}
 
 
-def loadavg() -> list[float] | None:
-    try:
-        with open("/proc/loadavg") as fh:
-            return [float(x) for x in fh.read().split()[:3]]
-    except (OSError, ValueError):
-        return None
-
-
 def machine_info() -> dict:
+    """``benchmarks.machine.machine_info`` and, from inside the job, the MPI library it runs."""
     lib = MPI.Get_library_version()
-    first = lib.strip().splitlines()[0] if lib.strip() else ""
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    load = loadavg()
-    try:
-        from importlib.metadata import version
-
-        mpich_wheel = version("mpich")
-    except Exception:  # noqa: BLE001 - not installed from the wheel
-        mpich_wheel = None
     import mpi4py
 
-    return {
-        "hostname": socket.gethostname(), "platform": platform.platform(), "machine": platform.machine(),
-        "processor": platform.processor(), "nproc": os.cpu_count(), "nproc_affinity": affinity,
-        "loadavg_at_start": load, "python": sys.version.split()[0], "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "numpy": np.__version__, "mpi4py": mpi4py.__version__,
-        "mpi_library": first, "mpich_wheel": mpich_wheel, "mpi_version": "{}.{}".format(*MPI.Get_version()),
-        "mpi_thread_level": MPI.Query_thread(), "imerge": imerge_hooks.__version__,
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    }
+    return {**common_machine_info(), "torch_threads": torch.get_num_threads(), "numpy": np.__version__,
+            "mpi4py": mpi4py.__version__, "mpi_library": lib.strip().splitlines()[0] if lib.strip() else "",
+            "mpi_version": "{}.{}".format(*MPI.Get_version()), "mpi_thread_level": MPI.Query_thread(),
+            "imerge": imerge_hooks.__version__}
 
 
 def build_rows(results: dict, sizes: list[int]) -> list[dict]:
