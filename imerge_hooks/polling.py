@@ -8,15 +8,17 @@ MPI. How long to spin before sleeping depends on whether the ranks have a core e
   and a result is noticed within microseconds.
 * ``yield``: ranks outnumber cores (tests, emulated clusters). A spinning rank would steal
   the core the rank it waits for needs, so waits do not spin: they sleep in growing steps from
-  ``MIN_SLEEP_S`` (200 us), at first up to ``MAX_SLEEP_S``. (Spinning 200 us after every event and capping naps at
-  250 us cost 8 ranks on 2 cores a fifth more CPU for the same iteration time.)
+  ``MIN_SLEEP_S`` (200 us), at first up to ``MAX_SLEEP_S``. (Spinning 200 us after every event
+  and capping naps at 250 us cost 8 ranks on 2 cores a fifth more CPU for the same iteration
+  time.)
 
 ``auto`` (the default) picks ``spin`` when the ranks on this host fit its usable cores.
 Every wait also has a deadline elsewhere, so nothing hangs forever.
 
-Sleeps are also bounded by how long the wait has lasted: at most ``LATE_FRACTION`` of it
-(never above ``MAX_SLEEP_LONG_S``). A transfer that has taken 40 ms is polled every 2 ms, not
-every 250 us: noticing its end late costs at most 5% of its time, and ranks that outnumber
+Naps also grow with how long the wait has lasted: up to ``MAX_SLEEP_S`` (1 ms) while it is
+shorter than 20 ms, then ``LATE_FRACTION`` (5%) of it, never above ``MAX_SLEEP_LONG_S`` (2 ms). A
+transfer that has taken 40 ms is polled every 2 ms, not every 250 us: past 20 ms, noticing its end
+late costs at most 5% of its time (a shorter wait may be noticed up to 1 ms late), and ranks that outnumber
 the cores do not spend a large share of one waking up to find nothing (``benchmarks/run.py``
 records each rank's CPU time per iteration, ``worker_cpu_s_per_iter``).
 """
