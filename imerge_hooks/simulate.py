@@ -1094,25 +1094,35 @@ def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
     return PSModel.fit(cluster.workers, cluster.servers, list(grid), times)
 
 
-def _searched_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: list[int], sizes: list[int],
-                   ready_at: list[float], cost_model: CostModel, *, partition_bytes: int, credit_bytes: int,
-                   tail_credit_bytes: int | None, overlap_forward: bool | None,
-                   iterations: int) -> Plan:
-    """The engine's plan search on the real model spec: every candidate simulated, fastest kept."""
-    sizes_r = [sizes[i] for i in order]
-    ready_r = [ready_at[i] for i in order]
+def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: Sequence[int],
+                         sizes: Sequence[int], ready: Sequence[float], cost_model: CostModel, *, partition_bytes: int,
+                         credit_bytes: int, tail_credit_bytes: int | None, overlap_forward: bool | None,
+                         iterations: int = 3, dtypes: Sequence[str] | None = None, cpu_deadline: float | None = None,
+                         on_scored: Any = None) -> tuple[Plan, list]:
+    """The plan search (``plan.search``): every candidate plan simulated on ``model`` and ``cluster``
+    with ``schedule``'s own traits, the fastest kept; returns it and every candidate's score. The one
+    rule the engine (``plan.choice.search_plan``, on its profile) and the simulator's own planned
+    schedules (on the real model) share.
 
+    ``sizes``/``ready`` (``dtypes``): the tensors in ready order; ``order[j]`` is the model's tensor at
+    ready-order position ``j``. ``cpu_deadline``: as :func:`simulate` (``SearchBudgetSpent``).
+    ``on_scored(seconds, groups, partition, stagger)`` sees every finished simulation.
+    """
     def score(cand: list[list[int]], partition: int, stagger: bool | None = None,
               bound: float | None = None) -> float:
-        return simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
-                        partition_bytes=partition, credit_bytes=credit_bytes,
-                        tail_credit_bytes=tail_credit_bytes,
-                        cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
-                        stagger=stagger, give_up_s=bound).iteration_s
+        if cpu_deadline is not None and time.thread_time() > cpu_deadline:
+            raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
+        seconds = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
+                           partition_bytes=partition, credit_bytes=credit_bytes, tail_credit_bytes=tail_credit_bytes,
+                           cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
+                           stagger=stagger, give_up_s=bound, cpu_deadline=cpu_deadline).iteration_s
+        if on_scored is not None:
+            on_scored(seconds, cand, partition, stagger)
+        return seconds
 
     traits = SCHEDULE_TRAITS[schedule]
-    return searched_plan(candidate_plans(sizes_r, ready_r, cost_model), score, sizes_r, ready_r, cost_model,
-                         partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1)[0]
+    return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
+                         partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -1205,10 +1215,11 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             used_model = cost_model if cost_model is not None else calibrate_model(cluster)
         judged_on = planner_model(traits.planner, used_model)
         if traits.planner == "optimal" and plan_search and len(sizes) > 1:
-            plan_result = _searched_plan(model, cluster, schedule, order, sizes, ready_at, judged_on,
-                                         partition_bytes=partition_bytes, credit_bytes=credit_bytes,
-                                         tail_credit_bytes=tail_credit_bytes,
-                                         overlap_forward=overlap_forward, iterations=iterations)
+            plan_result = search_by_simulation(model, cluster, schedule, order, [sizes[i] for i in order],
+                                               [ready_at[i] for i in order], judged_on,
+                                               partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                                               tail_credit_bytes=tail_credit_bytes,
+                                               overlap_forward=overlap_forward, iterations=iterations)[0]
         else:
             plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], judged_on,
                                traits.planner, fusion_threshold_bytes=fusion_threshold_bytes)

@@ -1,5 +1,5 @@
 """The plan the engine installs: the profiled model as a simulator spec, each candidate plan of
-:mod:`imerge_hooks.plan.search` scored by :func:`imerge_hooks.simulate.simulate` with the
+:mod:`imerge_hooks.plan.search` scored by :func:`imerge_hooks.simulate.search_by_simulation` with the
 schedule's own traits, the fastest kept.
 
 The search rules (candidates, ties, partition sizes) are :mod:`imerge_hooks.plan.search`'s,
@@ -15,10 +15,10 @@ import time
 from collections.abc import Mapping, Sequence
 
 from ..config import Config
-from ..simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
+from ..simulate import ClusterSpec, LayerSpec, ModelSpec, search_by_simulation
 from .costmodel import CostModel, LinearModel, PSModel
 from .planner import Plan, plan, simulate_fifo
-from .search import Candidate, SearchBudgetSpent, candidate_plans, searched_plan
+from .search import Candidate, SearchBudgetSpent
 
 log = logging.getLogger("imerge")
 
@@ -87,32 +87,20 @@ def search_plan(sizes: Sequence[int], ready: Sequence[float], names: Sequence[st
         return plan(sizes, ready, cost_model, "optimal", dtypes=dtypes), []
     spec = model_spec_from_profile(sizes, ready, names, forward_times)
     n = len(sizes)
-
     best: list = []  # (score, groups, partition, stagger) of the fastest plan simulated so far
 
-    def score(groups: list[list[int]], partition: int, stagger: bool | None = None,
-              bound: float | None = None) -> float:
-        if deadline is not None and time.thread_time() > deadline:
-            raise _spent(cpu_budget_s, best, sizes, ready, cost_model, cfg)
-        try:
-            seconds = _simulated(groups, partition, stagger, bound)
-        except SearchBudgetSpent:
-            raise _spent(cpu_budget_s, best, sizes, ready, cost_model, cfg) from None
+    def keep_fastest(seconds: float, groups: list[list[int]], partition: int, stagger: bool | None) -> None:
         if not best or seconds < best[0]:
             best[:] = [seconds, groups, partition, stagger]
-        return seconds
 
-    def _simulated(groups: list[list[int]], partition: int, stagger: bool | None, bound: float | None) -> float:
-        # The spec's tensor t (registration order) is ready-order position n-1-t.
-        return simulate(spec, cluster, cfg.schedule, partition_bytes=partition, credit_bytes=cfg.credit_bytes,
-                        tail_credit_bytes=cfg.tail_credit_bytes,
-                        cost_model=cost_model, iterations=3, overlap_forward=cfg.overlap, timeline=False,
-                        groups=[[n - 1 - i for i in g] for g in groups], stagger=stagger,
-                        give_up_s=bound, cpu_deadline=deadline).iteration_s
-
-    chosen, scored = searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready,
-                                   cost_model, cfg.partition_bytes, cfg.traits.partition,
-                                   staggered=cfg.traits.stagger and servers > 1)
+    try:  # the spec's tensor t (registration order) is ready-order position n-1-t
+        chosen, scored = search_by_simulation(
+            spec, cluster, cfg.schedule, [n - 1 - j for j in range(n)], sizes, ready, cost_model,
+            partition_bytes=cfg.partition_bytes, credit_bytes=cfg.credit_bytes,
+            tail_credit_bytes=cfg.tail_credit_bytes, overlap_forward=cfg.overlap, iterations=3, dtypes=dtypes,
+            cpu_deadline=deadline, on_scored=keep_fastest)
+    except SearchBudgetSpent:
+        raise _spent(cpu_budget_s, best, sizes, ready, cost_model, cfg) from None
     log.info("IMerge: plan %s", chosen.note)
     return chosen, scored
 
