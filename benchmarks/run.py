@@ -148,7 +148,7 @@ def physical_bound(facts: dict, workers: int, servers: int, bandwidth_Bps: float
     W * bytes / (S * B)). An all-reduce peer: max(compute, 2 (W-1)/W * bytes / B) (every worker's
     link carries 2 (W-1)/W of the bytes each way in a ring)."""
     if schedule in PEERS:
-        from imerge_hooks.simulate_allreduce import allreduce_bound_s
+        from benchmarks.allreduce_model import allreduce_bound_s
 
         comm = allreduce_bound_s(facts["bytes"], workers, bandwidth_Bps)
     else:
@@ -226,11 +226,11 @@ def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidt
 
 
 def simulate_peer(spec, cluster, schedule: str, plan: dict | None = None):
-    """A peer on the simulator's ring all-reduce model (``imerge_hooks.simulate_allreduce``).
+    """A peer on the simulator's ring all-reduce model (``benchmarks.allreduce_model``).
     ``ddp-tuned``: the cap that a launch chose (``plan["bucket_cap_mb"]``), else the fastest
     simulated cap of ``peers.ddp_caps``, as worker_replay tunes it on the emulated cluster."""
+    from benchmarks.allreduce_model import simulate_allreduce
     from benchmarks.peers import ddp_caps
-    from imerge_hooks.simulate_allreduce import simulate_allreduce
 
     if schedule == "mpi-allreduce":
         return simulate_allreduce(spec, cluster, "mpi-allreduce")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .simulate import ClusterSpec, Event, ModelSpec, SimResult
+from imerge_hooks.simulate import ClusterSpec, Event, ModelSpec, SimResult
 
 PEER_SCHEDULES = ("ddp", "mpi-allreduce")
 DDP_BUCKET_BYTES = 25 * 1024 * 1024

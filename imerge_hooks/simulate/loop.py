@@ -1,0 +1,598 @@
+"""The event loop: workers' compute and send queues, servers, and the max-min fair network of host links (``_Sim``)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..layout import key_owner
+from ..plan.search import SearchBudgetSpent
+from ..schedule import Credit, ReadyQueue, key_slots
+from .results import Event
+from .specs import _EPS_T
+
+# Worker operations, and event codes of the heap
+_FWD, _BWD, _GATE, _FLUSH, _MARK = range(5)
+_EV_COMPUTE, _EV_NET, _EV_CPU, _EV_SHARE, _EV_POSTED, _EV_HANDLED, _EV_REDUCED = range(7)
+
+@dataclass(eq=False, slots=True)
+class _Msg:
+    """A push (worker -> server) or a result (server -> worker) of one key; with host aggregation also a
+    worker's gradient to its host's owner of the key (``contrib``) and the result back (``fwd``)."""
+
+    push: bool
+    worker: int
+    server: int
+    key: int
+    nbytes: int
+    links: tuple[int, ...]  # (sender's host egress, receiver's host ingress), or (their host's local link,)
+    kind: str = ""  # "" (push or result), "contrib" or "fwd"
+    pair: tuple[int, int] = (0, 0)  # (sender rank, receiver rank): one message at a time per pair
+    remaining: float = 0.0
+    rate: float = 0.0
+    start: float = 0.0
+    stamp: int = -1
+    fid: int = -1
+    weight: float = 1.0  # share of a bottleneck relative to the other flows (uneven incast sharing)
+    coefs: tuple[float, ...] = (1.0, 1.0)  # per link: the bytes it carries per byte of this flow (folding)
+
+
+@dataclass(slots=True)
+class _Worker:
+    ptr: int = 0
+    ready: ReadyQueue = field(default_factory=ReadyQueue)
+    credit: Credit = field(default_factory=lambda: Credit(None))
+    missing: set = field(default_factory=set)  # groups the current gate still waits for
+    key_meta: dict = field(default_factory=dict)  # owned key -> (priority, urgent) until its host's sum is ready
+    wait_start: float = 0.0
+    op_start: float = 0.0
+
+
+_FABRIC = -1  # the shared fabric link's id (host links are >= 0)
+
+
+def _coef(f: _Msg, link: int) -> float:
+    """Bytes ``link`` carries per byte of flow ``f`` (1 on the fabric)."""
+    return f.coefs[f.links.index(link)] if link in f.links else 1.0
+
+
+class _Sim:
+    """The event loop. Ranks: worker r is r, server s is W+s; rank x runs on host ``hosts[x]``. Links:
+    host h's egress h, its ingress H+h, and 2H+h for the transfers between its own ranks."""
+
+    def __init__(self, *, fwd: Sequence[float], bwd: Sequence[float], layer_names: Sequence[str],
+                 layer_tensors: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                 group_keys: Sequence[Sequence[int]], key_bytes: Sequence[int], key_server: Sequence[int],
+                 workers: int, servers: int, bandwidth: float, startup: float, priority: bool, stagger: bool,
+                 credit: int | None, push_after_backward: bool, overlap: bool, iterations: int,
+                 record: bool = True, fabric: float | None = None, share_cv: float = 0.0,
+                 share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
+                 tail_credit: int | None = None, worker_message: float = 0.0, hosts: Sequence[int] | None = None,
+                 aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9,
+                 fold: int = 1) -> None:
+        self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
+        # Folding (fold_factor): each push and result stands for this many at its server (link and work).
+        self.fold = float(fold)
+        self.host = list(hosts) if hosts is not None else list(range(workers + servers))
+        self.H = max(self.host) + 1
+        self.local_B, self.reduce_rate = float(local_bandwidth), float(reduce_rate)
+        # Host aggregation: each worker's host mates, and who pushes each key for its host.
+        self.mates = [[m for m in range(workers) if m != r and self.host[m] == self.host[r]] if aggregate else []
+                      for r in range(workers)]
+        self.host_workers = [sorted([r] + mates) for r, mates in enumerate(self.mates)]  # owner() looks up keys
+        self.got: dict[tuple[int, int], int] = {}  # (owner, key) -> its host's gradients in so far
+        self.forwarding: dict[tuple[int, int], int] = {}  # (owner, key) -> results still to hand its host
+        self.key_pushers: dict[int, list[int]] = {}  # key -> the ranks whose push a server has summed
+        self.worker_message = float(worker_message)
+        self.thread_free = [0.0] * workers  # when each worker's comm thread is next free (worker_message > 0)
+        self.fabric = None if fabric is None else float(fabric)
+        self.share_cv = float(share_cv)
+        self.share_period, self.share_seed = float(share_period), int(share_seed)
+        self.share_epoch = 0
+        self.share_weights: dict[tuple[int, int], float] = {}
+        self.share_event_at = math.inf
+        self.fwd, self.bwd, self.layer_names = list(fwd), list(bwd), list(layer_names)
+        self.layer_tensors = [list(t) for t in layer_tensors]
+        self.groups = [list(g) for g in groups]
+        self.group_keys = [list(k) for k in group_keys]
+        self.key_bytes, self.key_server = list(key_bytes), list(key_server)
+        self.key_group = [0] * len(key_bytes)
+        for g, keys in enumerate(self.group_keys):
+            for k in keys:
+                self.key_group[k] = g
+        n_tensors = sum(len(t) for t in self.layer_tensors)
+        self.tensor_group = [0] * n_tensors
+        for g, members in enumerate(self.groups):
+            for i in members:
+                self.tensor_group[i] = g
+        self.group_prio = [min(g) if g else 0 for g in self.groups]
+        self.priority, self.stagger = priority, stagger
+        self.push_after_backward, self.iterations = push_after_backward, iterations
+        self.record = record
+        G, L = len(self.groups), len(self.layer_tensors)
+        # Gates: before layer l's forward of iteration it > 0, these groups must have finished round it-1.
+        if overlap:
+            self.gate = [sorted({self.tensor_group[i] for i in self.layer_tensors[layer]}) for layer in range(L)]
+        else:
+            self.gate = [list(range(G))] + [[] for _ in range(L - 1)]
+        ops: list[tuple[int, int, int]] = []
+        for it in range(iterations):
+            for layer in range(L):
+                if it > 0 and self.gate[layer]:
+                    ops.append((_GATE, layer, it))
+                ops.append((_FWD, layer, it))
+            for layer in reversed(range(L)):
+                ops.append((_BWD, layer, it))
+            if push_after_backward:
+                ops.append((_FLUSH, 0, it))
+        ops += [(_GATE, 0, iterations), (_MARK, 0, iterations)]
+        self.ops = ops
+        W = workers
+        self.workers = [_Worker(credit=Credit(credit, tail_credit)) for _ in range(W)]
+        # Tail credit (schedule): submitting tail_group starts the tail, the last group is urgent.
+        self.tail_group = tail_group if tail_credit is not None else None
+        self.urgent_group = G - 1 if self.tail_group is not None else -1
+        self.arrived = [[0] * G for _ in range(W)]
+        self.pending = [[0] * G for _ in range(W)]
+        self.done_round = [[0] * G for _ in range(W)]
+        self.starts = [[math.nan] * (iterations + 1) for _ in range(W)]
+        self.cpu_free = [0.0] * servers
+        self.key_count = [0] * len(key_bytes)
+        self.key_expected = [len({self.owner(k, r) for r in range(workers)}) for k in range(len(key_bytes))]
+        self.channels: dict[tuple[int, int], deque[_Msg]] = {}
+        self.flows: dict[int, _Msg] = {}  # active flows by id (insertion order: deterministic)
+        self.net_t = 0.0
+        self.net_dirty = False
+        self.net_version = 0
+        self.stamp = 0
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.fid = itertools.count()
+        self.now = 0.0
+        self.timeline: list[Event] = []
+        # Branch and bound (simulate's give_up_s): once every worker started iteration 1, past abort_at the
+        # steady iteration time is known to exceed give_up_s; the run stops there (gave_up).
+        self.give_up_s: float | None = None
+        self.first_started = 0
+        self.abort_at = math.inf
+        self.gave_up = False
+        self.cpu_deadline: float | None = None  # this thread's CPU time (time.thread_time) to stop at
+        self.wtrack = [f"worker {r}" for r in range(W)]
+        self.strack = [f"server {s}" for s in range(servers)]
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> None:
+        for r in range(self.W):
+            self._advance(r)
+        heap = self.heap
+        deadline = self.cpu_deadline
+        events = 0
+        while True:
+            events += 1
+            if deadline is not None and not events & 255 and time.thread_time() > deadline:
+                raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
+            # Flow rates are recomputed once per batch of simultaneous events.
+            if self.net_dirty and (not heap or heap[0][0] > self.now + _EPS_T):
+                self._reschedule_net()
+            if not heap:
+                break
+            t, _, code, payload = heapq.heappop(heap)
+            if code == _EV_NET and payload != self.net_version:
+                continue  # superseded by a later rate computation
+            if t > self.abort_at and any(w.ptr < len(self.ops) for w in self.workers):
+                self.gave_up = True  # the last iteration cannot start by abort_at: slower than give_up_s
+                return
+            if t < self.now - _EPS_T:  # an event scheduled in the past would run time backwards
+                raise RuntimeError(f"IMerge simulate internal: event {code} at {t:.6f} s is before now "
+                                   f"({self.now:.6f} s)")
+            self.now = t
+            if code == _EV_COMPUTE:
+                self._compute_done(payload)
+            elif code == _EV_NET:
+                self._net_event()
+            elif code == _EV_SHARE:
+                self._new_shares()
+            elif code == _EV_POSTED:
+                self._send(payload)
+            elif code == _EV_HANDLED:
+                self._result_handled(payload)
+            elif code == _EV_REDUCED:
+                self._reduced(*payload)
+            else:
+                self._cpu_done(*payload)
+        stuck = [r for r, w in enumerate(self.workers) if w.ptr < len(self.ops)]
+        if stuck:  # cannot happen for a valid layout; a clear message beats a silent NaN
+            raise RuntimeError(f"IMerge simulate internal: workers {stuck} did not finish "
+                               f"(waiting for groups {sorted(self.workers[stuck[0]].missing)})")
+
+    def owner(self, k: int, r: int) -> int:
+        """The worker that pushes key k for worker r's host (r itself without host aggregation)."""
+        if not self.mates[r]:
+            return r
+        host = self.host_workers[r]
+        return host[key_owner(k, len(host))]
+
+    def links(self, src: int, dst: int) -> tuple[int, ...]:
+        """The links a message from rank ``src`` to rank ``dst`` crosses (module doc of _Sim)."""
+        a, b = self.host[src], self.host[dst]
+        return (2 * self.H + a,) if a == b else (a, self.H + b)
+
+    def _push_event(self, t: float, code: int, payload: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), code, payload))
+
+    # ------------------------------------------------------------------ workers: compute
+    def _advance(self, r: int) -> None:
+        """Run worker r's ops until it computes (an event is scheduled), waits at a gate, or ends."""
+        w = self.workers[r]
+        ops = self.ops
+        while w.ptr < len(ops):
+            code, layer, it = ops[w.ptr]
+            if code == _GATE:
+                done = self.done_round[r]
+                missing = {g for g in self.gate[layer] if done[g] < it}
+                if missing:
+                    w.missing = missing
+                    w.wait_start = self.now
+                    return
+                w.ptr += 1
+            elif code == _FLUSH:
+                for g in range(len(self.groups)):
+                    self._submit(r, g)
+                w.ptr += 1
+            elif code == _MARK:
+                self.starts[r][it] = self.now
+                w.ptr += 1
+            else:
+                if code == _FWD and layer == 0:
+                    self.starts[r][it] = self.now
+                    if it == 1 and self.give_up_s is not None:
+                        self.first_started += 1
+                        if self.first_started == self.W:
+                            self.abort_at = (max(s[1] for s in self.starts)
+                                             + (self.iterations - 1) * self.give_up_s * (1.0 + 1e-9))
+                w.op_start = self.now
+                dur = self.fwd[layer] if code == _FWD else self.bwd[layer]
+                self._push_event(self.now + dur, _EV_COMPUTE, r)
+                return
+
+    def _compute_done(self, r: int) -> None:
+        w = self.workers[r]
+        code, layer, it = self.ops[w.ptr]
+        if self.record:
+            kind = "forward" if code == _FWD else "backward"
+            self.timeline.append(Event(self.wtrack[r], f"{kind} {self.layer_names[layer]}", w.op_start,
+                                       self.now, kind))
+        w.ptr += 1
+        if code == _BWD:
+            arrived = self.arrived[r]
+            for i in self.layer_tensors[layer]:
+                g = self.tensor_group[i]
+                arrived[g] += 1
+                if not self.push_after_backward and arrived[g] == len(self.groups[g]):
+                    self._submit(r, g)
+        self._advance(r)
+
+    def _group_done(self, r: int, g: int) -> None:
+        self.done_round[r][g] += 1
+        w = self.workers[r]
+        if g in w.missing:
+            w.missing.discard(g)
+            if not w.missing:
+                if self.record and self.now > w.wait_start:
+                    self.timeline.append(Event(self.wtrack[r], "wait for gradients", w.wait_start, self.now, "wait"))
+                w.ptr += 1
+                self._advance(r)
+
+    # ------------------------------------------------------------------ workers: send queue
+    def _submit(self, r: int, g: int) -> None:
+        self.arrived[r][g] = 0
+        keys = self.group_keys[g]
+        if not keys:
+            self._group_done(r, g)
+            return
+        self.pending[r][g] = len(keys)
+        slots = key_slots([self.key_server[k] for k in keys], r, self.S, self.stagger)
+        prio = self.group_prio[g] if self.priority else 0
+        w = self.workers[r]
+        if g == self.tail_group:
+            w.credit.begin_tail(len(self.group_keys[self.urgent_group]))
+        urgent = g == self.urgent_group
+        for slot in slots:
+            k = keys[slot]
+            owner = self.owner(k, r)
+            if owner != r:  # host aggregation: the gradient goes to the key's owner on this host
+                self._send(_Msg(False, r, 0, k, self.key_bytes[k], self.links(r, owner), "contrib", (r, owner)))
+            elif self.mates[r]:
+                w.key_meta[k] = (prio, urgent)
+                self._contribution(r, k)
+            else:
+                w.ready.add(k, self.key_bytes[k], prio, urgent)
+        self._pump(r)
+
+    def _contribution(self, owner: int, k: int) -> None:
+        """One more of the host's gradients of key k is at its owner (its own counts): once all are, the
+        owner adds them up (``reduce_Bps``) and the sum waits for credit like any push."""
+        n = self.got.get((owner, k), 0) + 1
+        if n <= len(self.mates[owner]):
+            self.got[(owner, k)] = n
+            return
+        del self.got[(owner, k)]
+        self._push_event(self.now + len(self.mates[owner]) * self.key_bytes[k] / self.reduce_rate, _EV_REDUCED,
+                         (owner, k))
+
+    def _reduced(self, owner: int, k: int) -> None:
+        w = self.workers[owner]
+        prio, urgent = w.key_meta.pop(k)
+        w.ready.add(k, self.key_bytes[k], prio, urgent)
+        self._pump(owner)
+
+    def _pump(self, r: int) -> None:
+        w = self.workers[r]
+        ready, credit = w.ready, w.credit
+        while ready and (k := ready.take(credit)) is not None:
+            nbytes = self.key_bytes[k]
+            credit.started(nbytes)
+            s = self.key_server[k]
+            m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + s),
+                     coefs=(1.0, self.fold))
+            if self.worker_message > 0.0:
+                self._push_event(self._thread_slot(r), _EV_POSTED, m)
+            else:
+                self._send(m)
+
+    def _thread_slot(self, r: int) -> float:
+        """Book ``worker_message`` of worker r's comm thread; returns when that work ends."""
+        end = max(self.now, self.thread_free[r]) + self.worker_message
+        self.thread_free[r] = end
+        return end
+
+    # ------------------------------------------------------------------ servers
+    def _cpu_done(self, s: int, k: int, r: int) -> None:
+        self.key_count[k] += 1
+        self.key_pushers.setdefault(k, []).append(r)
+        if self.key_count[k] < self.key_expected[k]:
+            return
+        self.key_count[k] = 0
+        nbytes = self.key_bytes[k]
+        for worker in self.key_pushers.pop(k):
+            self._send(_Msg(False, worker, s, k, nbytes, self.links(self.W + s, worker), "", (self.W + s, worker),
+                            coefs=(self.fold, 1.0)))
+
+    def _delivered(self, m: _Msg) -> None:
+        if m.kind:
+            self._delivered_in_host(m)
+            return
+        if self.record:
+            who = f"key {m.key} (group {self.key_group[m.key]})"
+            if m.push:
+                self.timeline.append(Event(self.wtrack[m.worker], f"push {who} to server {m.server}",
+                                           m.start, self.now, "push", m.nbytes))
+                self.timeline.append(Event(self.strack[m.server], f"push {who} from worker {m.worker}",
+                                           m.start, self.now, "push", m.nbytes))
+            else:
+                self.timeline.append(Event(self.strack[m.server], f"result {who} to worker {m.worker}",
+                                           m.start, self.now, "pull", m.nbytes))
+                self.timeline.append(Event(self.wtrack[m.worker], f"result {who} from server {m.server}",
+                                           m.start, self.now, "pull", m.nbytes))
+        if m.push:
+            credit = self.workers[m.worker].credit
+            credit.delivered(m.nbytes)
+            if self.key_group[m.key] == self.urgent_group:
+                credit.urgent_delivered()
+            self._pump(m.worker)
+            s = m.server
+            start = max(self.now, self.cpu_free[s])
+            end = start + self.startup * self.fold
+            self.cpu_free[s] = end
+            if self.record and end > start:
+                self.timeline.append(Event(self.strack[s], f"sum key {m.key} from worker {m.worker}",
+                                           start, end, "update"))
+            self._push_event(end, _EV_CPU, (s, m.key, m.worker))
+        elif self.worker_message > 0.0:
+            self._push_event(self._thread_slot(m.worker), _EV_HANDLED, m)
+        else:
+            self._result_handled(m)
+
+    def _delivered_in_host(self, m: _Msg) -> None:
+        """A gradient reached its host's owner of the key, or the owner's result reached a worker."""
+        src, dst = m.pair
+        if self.record:
+            what = "gradient to" if m.kind == "contrib" else "result to"
+            self.timeline.append(Event(self.wtrack[src], f"{what} worker {dst}: key {m.key}", m.start, self.now,
+                                       "push" if m.kind == "contrib" else "pull", m.nbytes))
+        if m.kind == "contrib":
+            self._contribution(dst, m.key)
+            return
+        self._key_done(dst, m.key)
+        left = self.forwarding[(src, m.key)] - 1
+        if left:
+            self.forwarding[(src, m.key)] = left
+        else:
+            del self.forwarding[(src, m.key)]
+            self._key_done(src, m.key)
+
+    def _result_handled(self, m: _Msg) -> None:
+        """Worker ``m.worker``'s comm thread has handled result ``m``."""
+        self._pump(m.worker)
+        mates = self.mates[m.worker]
+        if mates:  # the owner hands its host the result; the key is done here when they have it
+            self.forwarding[(m.worker, m.key)] = len(mates)
+            for mate in mates:
+                self._send(_Msg(False, mate, 0, m.key, m.nbytes, self.links(m.worker, mate), "fwd",
+                                (m.worker, mate)))
+            return
+        self._key_done(m.worker, m.key)
+
+    def _key_done(self, r: int, k: int) -> None:
+        g = self.key_group[k]
+        left = self.pending[r][g] - 1
+        self.pending[r][g] = left
+        if left == 0:
+            self._group_done(r, g)
+
+    # ------------------------------------------------------------------ network (fluid, max-min fair)
+    def _net_advance(self) -> None:
+        dt = self.now - self.net_t
+        if dt > 0:
+            for f in self.flows.values():
+                f.remaining -= f.rate * dt
+        self.net_t = self.now
+
+    def _send(self, m: _Msg) -> None:
+        queue = self.channels.get(m.pair)
+        if queue is None:
+            queue = self.channels[m.pair] = deque()
+        queue.append(m)
+        if len(queue) == 1:
+            self._start_flow(m)
+
+    def _start_flow(self, m: _Msg) -> None:
+        self._net_advance()
+        if m.push and self.share_cv > 0.0:
+            if self.share_event_at == math.inf:  # no push was flowing: shares of the period we are in now
+                self._enter_share_period()
+                self._schedule_share_event()
+            m.weight = self._share_weight(m.worker, m.server)
+        m.remaining = float(m.nbytes)
+        m.rate = 0.0
+        m.start = self.now
+        m.fid = next(self.fid)
+        self.flows[m.fid] = m
+        self.net_dirty = True
+
+    def _net_event(self) -> None:
+        self._net_advance()
+        done = [f for f in self.flows.values() if f.remaining <= f.rate * 1e-10 + f.nbytes * 1e-12]
+        if not done:  # rounding: the flow this event was scheduled for is due now
+            done = [min(self.flows.values(), key=lambda f: f.remaining / f.rate)]
+        self.net_dirty = True
+        for f in done:
+            del self.flows[f.fid]
+        for f in done:
+            queue = self.channels[f.pair]
+            queue.popleft()
+            if queue:
+                self._start_flow(queue[0])
+        for f in done:
+            self._delivered(f)
+
+    def _share_weight(self, worker: int, server: int) -> float:
+        w = self.share_weights.get((worker, server))
+        if w is None:
+            w = self.share_weights[(worker, server)] = connection_weight(
+                self.share_cv, self.share_seed, self.share_epoch, worker, server)
+        return w
+
+    def _enter_share_period(self) -> None:
+        """Take the share period ``now`` is in; a new period draws new weights."""
+        epoch = int(self.now / self.share_period + 1e-9)
+        if epoch != self.share_epoch:
+            self.share_epoch = epoch
+            self.share_weights.clear()
+
+    def _schedule_share_event(self) -> None:
+        self.share_event_at = (self.share_epoch + 1) * self.share_period
+        self._push_event(self.share_event_at, _EV_SHARE, None)
+
+    def _new_shares(self) -> None:
+        """A share period ended: active pushes get this period's weights (the next event only while pushes flow)."""
+        self._net_advance()
+        self._enter_share_period()
+        pushes = [f for f in self.flows.values() if f.push]
+        for f in pushes:
+            f.weight = self._share_weight(f.worker, f.server)
+        self.net_dirty = True
+        self.share_event_at = math.inf
+        if pushes:
+            self._schedule_share_event()
+
+    def _reschedule_net(self) -> None:
+        self._net_advance()
+        self._max_min()
+        self.net_dirty = False
+        self.net_version += 1
+        if self.flows:
+            dt = min(f.remaining / f.rate for f in self.flows.values())
+            self._push_event(self.now + max(dt, 0.0), _EV_NET, self.net_version)
+
+    def _max_min(self) -> None:
+        """Weighted max-min fair rates by progressive filling (every link has capacity B; the
+        optional fabric link, crossed by every flow, has capacity ``fabric``).
+
+        Each round finds the smallest share per unit of weight (remaining capacity / unfrozen
+        flows' weight) over the links and freezes every flow of every link at that level
+        (rate = weight x level); symmetric workers make many links tie, so a handful of rounds
+        suffice. With all weights 1 this is plain max-min fairness.
+        """
+        flows = self.flows
+        if not flows:
+            return
+        self.stamp += 1
+        stamp = self.stamp
+        members: dict[int, list[_Msg]] = {}
+        weight: dict[int, float] = {}
+        for f in flows.values():
+            for link, coef in zip(f.links, f.coefs):
+                lst = members.get(link)
+                if lst is None:
+                    members[link] = [f]
+                    weight[link] = f.weight * coef
+                else:
+                    lst.append(f)
+                    weight[link] += f.weight * coef
+        local = 2 * self.H
+        cap = {link: self.local_B if link >= local else self.B for link in members}
+        if self.fabric is not None:
+            members[_FABRIC] = list(flows.values())
+            cap[_FABRIC] = self.fabric
+            weight[_FABRIC] = sum(f.weight for f in flows.values())
+        count = {link: len(lst) for link, lst in members.items()}
+        live = list(members)
+        while live:
+            level = min(cap[link] / weight[link] for link in live)
+            limit = level * (1.0 + 1e-12)
+            for link in [link for link in live if cap[link] / weight[link] <= limit]:
+                if count[link] == 0:
+                    continue
+                for f in members[link]:
+                    if f.stamp == stamp:
+                        continue
+                    f.stamp = stamp
+                    f.rate = rate = level * f.weight
+                    for other, coef in zip(f.links, f.coefs):
+                        left = cap[other] - rate * coef
+                        cap[other] = left if left > 0.0 else 0.0
+                        count[other] -= 1
+                        weight[other] -= f.weight * coef
+                    if self.fabric is not None:
+                        left = cap[_FABRIC] - rate
+                        cap[_FABRIC] = left if left > 0.0 else 0.0
+                        count[_FABRIC] -= 1
+                        weight[_FABRIC] -= f.weight
+            live = [link for link in live if count[link] > 0]
+            for link in live:  # rounding must not leave a live link with no weight
+                if weight[link] <= 0.0:
+                    weight[link] = sum(f.weight * _coef(f, link) for f in members[link] if f.stamp != stamp)
+        for f in flows.values():  # a flow squeezed to zero by rounding must still progress
+            if f.rate <= 0.0:
+                f.rate = self.B * 1e-9
+
+
+def connection_weight(cv: float, seed: int, epoch: int, worker: int, server: int) -> float:
+    """The share weight of push connection (worker, server) in share period ``epoch``: log-normal
+    with mean 1 and coefficient of variation ``cv``, the same for the same arguments."""
+    if cv <= 0.0:
+        return 1.0
+    sigma2 = math.log1p(cv * cv)
+    rng = random.Random(((seed * 1_000_003 + epoch) * 65_537 + worker) * 4099 + server)
+    return math.exp(math.sqrt(sigma2) * rng.gauss(0.0, 1.0) - 0.5 * sigma2)
+
+
+# ---------------------------------------------------------------------------------- layout

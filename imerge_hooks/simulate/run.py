@@ -1,0 +1,306 @@
+"""``simulate()``: a model on a cluster under a schedule. Also the key layout, the fold of alike
+workers, the simulated PS cost model and the plan search by simulation."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import numbers
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from ..config import (
+    CREDIT_BYTES,
+    FUSION_THRESHOLD_BYTES,
+    PARTITION_BYTES,
+    SCHEDULE_TRAITS,
+    SCHEDULES,
+    TAIL_CREDIT_BYTES,
+)
+from ..layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
+from ..plan.costmodel import CostModel, LinearModel, PSModel, planner_model
+from ..plan.planner import Plan, plan
+from ..plan.search import SearchBudgetSpent, candidate_plans, searched_plan
+from ..schedule import tail_group
+from .loop import _Sim
+from .results import KeyInfo, SimResult
+from .specs import FOLD_ABOVE, FOLD_WORKERS, ClusterSpec, ModelSpec
+
+
+def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int]:
+    """Key sizes as ``layout.cut_keys`` makes them (bytes; 4-byte elements assumed)."""
+    if nbytes <= 0:
+        return []
+    ranges = cut_keys(max(1, nbytes // 4), 4, partition_bytes, servers)
+    sizes = [(end - start) * 4 for start, end in ranges]
+    sizes[-1] += nbytes - sum(sizes)
+    return sizes
+
+
+def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_bytes: int | None,
+            cluster: ClusterSpec, cpu_deadline: float | None = None) -> tuple[list[list[int]], list[KeyInfo]]:
+    """Keys of every group (``layout.cut_keys``, at least one per server and, with host aggregation, one
+    per worker of the fullest host), placed by ``layout.Placement`` on the cluster's hosts, as the engine.
+    ``cpu_deadline``: as :func:`simulate`'s (placing thousands of keys on hundreds of servers takes seconds)."""
+    hosts = cluster.rank_hosts
+    per_host = Counter(hosts[:cluster.workers])
+    spread = max(cluster.servers, max(per_host.values()) if cluster.aggregates else 1)
+    pushers = {h: 1 if cluster.aggregates else n for h, n in per_host.items()}
+    placement = Placement(cluster.servers, list(hosts[cluster.workers:]), pushers)
+    group_keys: list[list[int]] = []
+    keys: list[KeyInfo] = []
+    for g, members in enumerate(groups):
+        ids = []
+        for nbytes in _cut(sum(sizes[i] for i in members), partition_bytes, spread):
+            if cpu_deadline is not None and not len(keys) & 63 and time.thread_time() > cpu_deadline:
+                raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
+            ids.append(len(keys))
+            keys.append(KeyInfo(g, nbytes, placement.place(nbytes)))
+        group_keys.append(ids)
+    return group_keys, keys
+
+
+def fold_factor(cluster: ClusterSpec) -> int:
+    """How many workers one simulated worker stands for: 1 up to ``FOLD_ABOVE`` workers, else the
+    largest ``m`` dividing W that leaves at least ``FOLD_WORKERS`` workers, where every rank has a
+    host of its own (hosts=None).
+
+    Workers are alike (one model, one plan, one key layout), so W/m simulated workers can stand for
+    W: each simulated push is ``m`` pushes at its server (its bytes weigh ``m``-fold on the server's
+    link, and the server works ``m`` startups for it), each result ``m`` results. Servers are all
+    simulated. Exact where every worker pushes the same key at the same point (no stagger, or a
+    model whose timing stagger does not change); with stagger the ``m`` workers a simulated one stands
+    for would start their groups at ``m`` different servers, and the fold has them all push where it
+    pushes: no stagger benefit, an upper bound. ``benchmarks/results/RESULTS.md`` ("Simulating
+    hundreds of workers") measures the difference against simulating every worker. The cost of an
+    iteration then grows with W/m and S, not W x S.
+    """
+    if cluster.hosts is not None or cluster.workers <= FOLD_ABOVE:
+        return 1
+    for m in range(cluster.workers // FOLD_WORKERS, 1, -1):
+        if cluster.workers % m == 0:
+            return m
+    return 1
+
+
+def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInfo], group_keys, cluster: ClusterSpec,
+              priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
+              tail_group: int | None = None, tail_credit: int | None = None,
+              iterations: int, record: bool, fold: int = 1) -> _Sim:
+    """The event loop for ``cluster``, its workers folded by ``fold`` (``fold_factor``): W/fold workers,
+    every push and result standing for ``fold`` at its server, the fabric carrying 1/fold of the traffic."""
+    fabric = None if cluster.fabric_Bps is None else cluster.fabric_Bps / fold
+    return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
+                group_keys=group_keys, key_bytes=[k.nbytes for k in keys],
+                key_server=[k.server for k in keys],
+                workers=cluster.workers // fold, servers=cluster.servers, bandwidth=cluster.bandwidth_Bps,
+                startup=cluster.startup_s, priority=priority, stagger=stagger, credit=credit,
+                push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
+                fabric=fabric, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
+                share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
+                worker_message=cluster.worker_message_s, hosts=None if fold > 1 else cluster.rank_hosts,
+                aggregate=cluster.aggregates, local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps,
+                fold=fold)
+
+
+# ---------------------------------------------------------------------------------- public API
+def calibrate_model(cluster: ClusterSpec, sizes: Sequence[int] | None = None) -> PSModel:
+    """The PSModel ``imerge_hooks.plan.calibrate`` would measure on the simulated cluster.
+
+    Every worker pushes and pulls m bytes at once, cut into one key per server (as the real
+    calibration), for m on ``sizes`` (default :data:`CALIBRATION_GRID`); T(m) is the time until
+    every worker has every result; the table is fitted with :meth:`PSModel.fit`.
+    """
+    grid = tuple(int(m) for m in (sizes if sizes is not None else CALIBRATION_GRID))
+    if not grid or any(m <= 0 for m in grid) or any(b <= a for a, b in zip(grid, grid[1:])):
+        raise ValueError(f"IMerge simulate: calibration sizes must be positive and increasing, got {list(grid)}")
+    return _calibrate_cached(cluster, grid)
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrate_cached(cluster: ClusterSpec, grid: tuple[int, ...]) -> PSModel:
+    times = []
+    for m in grid:
+        keys = [KeyInfo(0, (end - start) * 4, server) for start, end, server in calibration_keys(m, cluster.servers)]
+        sim = _make_sim(fwd=[0.0], bwd=[0.0], layer_names=["calibration"], layer_tensors=[[0]], groups=[[0]],
+                        keys=keys, group_keys=[list(range(len(keys)))], cluster=cluster, priority=False,
+                        stagger=False, credit=None, push_after_backward=False, overlap=False, iterations=1,
+                        record=False, fold=fold_factor(cluster))
+        sim.run()
+        times.append(max(s[1] - s[0] for s in sim.starts))
+    return PSModel.fit(cluster.workers, cluster.servers, list(grid), times)
+
+
+def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, order: Sequence[int],
+                         sizes: Sequence[int], ready: Sequence[float], cost_model: CostModel, *, partition_bytes: int,
+                         credit_bytes: int, tail_credit_bytes: int | None, overlap_forward: bool | None,
+                         iterations: int = 3, dtypes: Sequence[str] | None = None, cpu_deadline: float | None = None,
+                         on_scored: Any = None) -> tuple[Plan, list]:
+    """The plan search (``plan.search``): every candidate plan simulated on ``model`` and ``cluster``
+    with ``schedule``'s own traits, the fastest kept; returns it and every candidate's score. The one
+    rule the engine (``plan.choice.search_plan``, on its profile) and the simulator's own planned
+    schedules (on the real model) share.
+
+    ``sizes``/``ready`` (``dtypes``): the tensors in ready order; ``order[j]`` is the model's tensor at
+    ready-order position ``j``. ``cpu_deadline``: as :func:`simulate` (``SearchBudgetSpent``).
+    ``on_scored(seconds, groups, partition, stagger)`` sees every finished simulation.
+    """
+    def score(cand: list[list[int]], partition: int, stagger: bool | None = None,
+              bound: float | None = None) -> float:
+        if cpu_deadline is not None and time.thread_time() > cpu_deadline:
+            raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
+        seconds = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
+                           partition_bytes=partition, credit_bytes=credit_bytes, tail_credit_bytes=tail_credit_bytes,
+                           cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
+                           stagger=stagger, give_up_s=bound, cpu_deadline=cpu_deadline).iteration_s
+        if on_scored is not None:
+            on_scored(seconds, cand, partition, stagger)
+        return seconds
+
+    traits = SCHEDULE_TRAITS[schedule]
+    return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
+                         partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1)
+
+
+def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """An explicit plan as lists of ints, or ValueError if it is not a partition of 0..n-1."""
+    out = [[int(i) for i in g] for g in groups]
+    flat = sorted(i for g in out for i in g)
+    if any(not g for g in out) or flat != list(range(n)):
+        raise ValueError(f"IMerge simulate: groups must cover each of the model's {n} tensors exactly once, "
+                         f"in non-empty groups; got {len(flat)} entries over {len(out)} groups")
+    return out
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"IMerge simulate: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = PARTITION_BYTES,
+             credit_bytes: int = CREDIT_BYTES,
+             tail_credit_bytes: int | None = TAIL_CREDIT_BYTES,
+             fusion_threshold_bytes: int = FUSION_THRESHOLD_BYTES,
+             cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
+             timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
+             plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True,
+             give_up_s: float | None = None, cpu_deadline: float | None = None) -> SimResult:
+    """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
+
+    ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
+    (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
+    ``partition_bytes``/``credit_bytes`` matter for partitioned schedules (priority, imerge),
+    ``tail_credit_bytes`` (None: off) for imerge (``schedule``, tail credit),
+    ``fusion_threshold_bytes`` for ``threshold``. ``cost_model``: what the planner of
+    mgwfbp/adaptive-ps/imerge uses (anything with ``.time(nbytes)``); None: the
+    :func:`calibrate_model` of ``cluster``. ``overlap_forward``: as ``Config.overlap_forward``
+    (None: as the schedule says). ``timeline=False`` skips recording events (faster for
+    sweeps; ``SimResult.timeline`` is then empty). ``groups``: an explicit plan instead of
+    the schedule's planner (lists of tensor indices in registration order, in send order,
+    every tensor exactly once); the schedule's other traits still apply. ``plan_search``: as
+    ``Config.plan_search``, the ``optimal`` planner (adaptive-ps, imerge) simulates its
+    candidate plans (:mod:`imerge_hooks.plan.search`) and keeps the fastest, as the engine
+    does; False: the DP's plan alone (the search may also choose ``stagger``, as the engine's does).
+    ``stagger``: as ``SchedulePolicy.stagger`` (None: as the schedule, or its searched plan, says).
+    ``give_up_s``: stop as soon as the steady iteration time is known to exceed this (a plan search's
+    bound: a candidate that cannot win need not finish); ``iteration_s`` is then ``inf``.
+    ``cpu_deadline``: raise :class:`imerge_hooks.plan.search.SearchBudgetSpent` once the calling
+    thread's CPU time (``time.thread_time()``) passes this (a plan search's budget).
+    ``fold_workers``: simulate the alike workers of a large cluster through a few that stand for
+    them (``fold_factor``; ``SimResult.fold`` says how many each stands for, and the timeline then
+    has tracks for those only); False: every worker and server.
+    See the module doc for the model.
+    """
+    if schedule not in SCHEDULE_TRAITS:
+        raise ValueError(f"IMerge simulate: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if not isinstance(model, ModelSpec):
+        raise ValueError(f"IMerge simulate: model must be a ModelSpec, got {type(model).__name__}")
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(f"IMerge simulate: cluster must be a ClusterSpec, got {type(cluster).__name__}")
+    model.check()
+    for name, value in (("partition_bytes", partition_bytes), ("credit_bytes", credit_bytes),
+                        ("fusion_threshold_bytes", fusion_threshold_bytes), ("iterations", iterations)):
+        _positive_int(name, value)
+    if cost_model is not None and not callable(getattr(cost_model, "time", None)):
+        raise ValueError("IMerge simulate: cost_model needs a time(nbytes) method")
+    traits = SCHEDULE_TRAITS[schedule]
+    scale = cluster.time_scale
+    fwd = [layer.forward_s * scale for layer in model.layers]
+    bwd = [layer.backward_s * scale for layer in model.layers]
+    sizes = [int(b) for b in model.tensor_bytes]
+    layer_tensors: list[list[int]] = []
+    ready_at: list[float] = []  # from the start of backward: layer l is ready after layers L-1..l
+    suffix = list(itertools.accumulate(reversed(bwd)))[::-1]
+    start = 0
+    for index, layer in enumerate(model.layers):
+        n = len(layer.param_bytes)
+        layer_tensors.append(list(range(start, start + n)))
+        ready_at += [suffix[index]] * n
+        start += n
+    order = list(reversed(range(len(sizes))))  # ready order (ties inside a layer: later-registered first)
+    plan_result: Plan | None = None
+    used_model: Any = None
+    if groups is not None:
+        groups = _check_groups(groups, len(sizes))
+    elif traits.planner == "none" or not sizes:
+        groups = [[i] for i in order]
+    else:
+        if traits.planner == "threshold":
+            used_model = cost_model if cost_model is not None else LinearModel(0.0, 0.0)
+        else:
+            used_model = cost_model if cost_model is not None else calibrate_model(cluster)
+        judged_on = planner_model(traits.planner, used_model)
+        if traits.planner == "optimal" and plan_search and len(sizes) > 1:
+            plan_result = search_by_simulation(model, cluster, schedule, order, [sizes[i] for i in order],
+                                               [ready_at[i] for i in order], judged_on,
+                                               partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                                               tail_credit_bytes=tail_credit_bytes,
+                                               overlap_forward=overlap_forward, iterations=iterations)[0]
+        else:
+            plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], judged_on,
+                               traits.planner, fusion_threshold_bytes=fusion_threshold_bytes)
+        groups = [[order[j] for j in g] for g in plan_result.groups]
+        if plan_result.partition_bytes is not None:
+            partition_bytes = plan_result.partition_bytes
+        if stagger is None and plan_result.stagger is not None:
+            stagger = plan_result.stagger
+    group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster, cpu_deadline)
+    fold = fold_factor(cluster) if fold_workers else 1
+    tail = None
+    if tail_credit_bytes is not None and traits.tail_credit:
+        tail_model = cost_model if cost_model is not None else used_model
+        if tail_model is None:
+            tail_model = calibrate_model(cluster)
+        tail = tail_group(groups, ready_at, tail_model, credit_bytes)
+    sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
+                    layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
+                    priority=traits.priority, stagger=traits.stagger if stagger is None else bool(stagger),
+                    credit=credit_bytes if traits.partition else None,
+                    tail_group=tail, tail_credit=tail_credit_bytes,
+                    push_after_backward=traits.push_after_backward,
+                    overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
+                    iterations=iterations, record=timeline, fold=fold)
+    if give_up_s is not None and iterations > 1:
+        sim.give_up_s = float(give_up_s)
+    sim.cpu_deadline = cpu_deadline
+    if cpu_deadline is not None and time.thread_time() > cpu_deadline:  # the key layout above took it
+        raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
+    sim.run()
+    if sim.gave_up:
+        return SimResult(schedule=schedule, iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[],
+                         groups=groups, keys=keys, workers=cluster.workers, servers=cluster.servers, plan=plan_result,
+                         cost_model=used_model, fold=fold)
+    starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
+    per_iteration = [b - a for a, b in zip(starts, starts[1:])]
+    steady = per_iteration[1:] if len(per_iteration) > 1 else per_iteration
+    iteration_s = sum(steady) / len(steady)
+    throughput = cluster.workers * model.batch_size / iteration_s if iteration_s > 0 else math.inf
+    events = sorted(sim.timeline, key=lambda e: (e.start, e.end))
+    return SimResult(schedule=schedule, iteration_s=iteration_s, throughput=throughput,
+                     iteration_times=per_iteration, timeline=events, groups=groups, keys=keys,
+                     workers=cluster.workers, servers=cluster.servers, plan=plan_result, cost_model=used_model,
+                     fold=fold)
