@@ -18,9 +18,8 @@ import torch
 
 from . import devices, runtime, streams
 from .config import Config
-from .deferral import DeferredStep, deferral_blocker
+from .deferral import DeferredStep, Overlap
 from .errors import IMergeUsageError
-from .gates import AccessGuard, GateLearner
 from .group import Group
 from .layout import cut_keys, dtype_name, names_in_range, wire_dtype
 from .memory import Arena
@@ -31,7 +30,6 @@ log = logging.getLogger("imerge")
 
 # Who may apply pending updates without a warning: the forward did not use those parameters before
 # the next step(), or training (or a stage) is ending.
-_QUIET_REASONS = frozenset({"the next step()", "close()", "shutdown()", "join()", "the end of a stage"})
 
 
 class GradientEngine:
@@ -66,21 +64,8 @@ class GradientEngine:
         # "no gradient" (skipped by step()); with set_to_none=False it keeps a zero gradient.
         self.none_when_unused = True
         self.listeners: list = []  # callables(engine) run after each synchronize (profiler, planner)
-        self.deferred: DeferredStep | None = None  # overlap_forward: the step being applied in forward
-        self._deferred_at = 0.0  # when it was recorded (timeline)
-        self._forward_hook = None
-        # overlap_forward: where each parameter's update is applied, learned in synchronous iterations
-        self._learner = GateLearner(self.params) if config.overlap and self.comm is not None else None
-        if self._learner is not None:
-            AccessGuard.retain()
-        self._gate_of_module: dict[int, list[int]] = {}  # id(module) -> parameter indices it gates
-        self._gate_modules: dict[int, torch.nn.Module] = {}  # keeps gate modules' ids meaningful
-        self._ungated: set[int] = set()  # applied at step(): no gate could be learned for them
-        # Who applied the deferred updates (parameter counts): "forward gates", "step() (no gate)", or
-        # the call that read parameters first; what is not the gates did not overlap (logged once).
-        self.applied_by: Counter[str] = Counter()
-        self._warned_outside = False
-        self._warned_sync: set[str] = set()  # why a step could not be deferred (logged once each)
+        # overlap_forward: the gates, the recorded step and who applied its updates (deferral.Overlap)
+        self.overlap = Overlap(self, enabled=config.overlap and self.comm is not None)
         self._presence_slot: list[int] = [-1] * len(self.params)  # index into its group's presence tail
         # (event, module name, monotonic time, detail): for tests and timelines
         self.events: list | None = [] if config.record_events else None
@@ -526,24 +511,9 @@ class GradientEngine:
         self.group_arrived = [0] * len(self.groups)
         self.backward_started = None
         self.iteration += 1
-        self._learn_gates()
+        self.overlap.learn()
         for listener in list(self.listeners):
             listener(self)
-
-    def _learn_gates(self) -> None:
-        """A synchronous step ended: fold its forward's first uses into the gates (``gates.py``)."""
-        learner = self._learner
-        if learner is None or learner.learned:
-            return
-        learner.end_iteration()
-        if learner.learned:
-            self._gate_of_module, self._gate_modules, self._ungated = learner.gates()
-            if not learner.compiled:  # a compiled graph traced the learner's hooks: keep them (inert)
-                learner.close()
-            if self._ungated:
-                log.info("IMerge worker %d: %d parameter(s) have no forward gate; their updates are applied at "
-                         "step(): %s", self.topo.worker_rank, len(self._ungated),
-                         ", ".join(self.names[i] for i in sorted(self._ungated)[:8]))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()`` as torch does it; the gradient buffers stay IMerge's.
@@ -583,152 +553,62 @@ class GradientEngine:
                     p.grad = view
 
     # ------------------------------------------------------------------ overlap with the next forward
+    def index_of(self, param: torch.Tensor) -> int | None:
+        """Parameter ``param``'s index in this engine, None if it is not one of its parameters."""
+        return self._index.get(id(param))
+
+    @property
+    def deferred(self) -> DeferredStep | None:
+        """The recorded step whose updates the next forward applies (None: none pending)."""
+        return self.overlap.deferred
+
+    @property
+    def applied_by(self) -> Counter[str]:
+        return self.overlap.applied_by
+
     def can_defer(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether this ``step()`` may be applied during the next forward (else it runs now)."""
         # Profiling, and the iterations where a background plan search may install its plan, end at a
         # synchronous step: the plan listener runs there (the same iterations on every worker).
         profiling = self.replanner is not None and (not self.replanner.profiler.done
                                                     or self.replanner.boundary_due(self.iteration + 1))
-        learned = self._learner is not None and self._learner.learned
-        if not (self.cfg.overlap and learned and not profiling and self.pending_gradients
-                and not self.trainable_changed()):
-            return False
-        why = deferral_blocker(optimizer)
-        if why is None and self._learner.compiled:
-            why = (f"the forward runs {self._learner.compiled}: compiled graphs run no per-module hooks, so "
-                   "updates cannot be applied inside them")
-        if why is not None:
-            self._say_synchronous(why)
-            return False
-        return True
-
-    def _say_synchronous(self, why: str) -> None:
-        if why not in self._warned_sync and self.topo.worker_rank == 0:
-            log.warning("IMerge: the %r schedule overlaps updates with the next forward, but %s; step() applies "
-                        "the update at once instead (exact, no overlap with the forward)", self.cfg.schedule, why)
-        self._warned_sync.add(why)
+        return (not profiling and self.pending_gradients and not self.trainable_changed()
+                and self.overlap.can_defer(optimizer))
 
     def defer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Send what is left and record the step; updates are applied in the next forward."""
+        """Send what is left, end the iteration without waiting, and record the step: its updates
+        are applied in the next forward (``deferral.Overlap``)."""
         self.flush_deferred("the next step()")
         self.push_remaining()
         self._record_backward()
-        self.deferred = DeferredStep(optimizer, self, list(self.counts))
-        self._deferred_at = time.monotonic()
+        fired = list(self.counts)
         self.counts = [0] * len(self.params)
         self.group_arrived = [0] * len(self.groups)
         self.backward_started = None
         self.iteration += 1
-        self.applied_by["step() (no forward gate)"] += self.deferred.apply(
-            [self.params[i] for i in sorted(self._ungated)])
-        if self.deferred.finished:
-            self._end_deferral()
-            return
-        if self._forward_hook is None:
-            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
-            AccessGuard.activate(self)
+        self.overlap.defer(optimizer, fired)
 
     def on_fetch(self, param: torch.Tensor, reason: str) -> None:
         """``param`` is about to be read by ``reason`` (not the forward's gate): apply its update first."""
-        deferred = self.deferred
-        if deferred is None or not deferred.owns(param):
-            return
-        self._applied_outside(reason, deferred.apply([param]), self.names[self._index[id(param)]])
-        if deferred.finished:
-            self._end_deferral()
+        self.overlap.on_fetch(param, reason)
 
     def zero_pending(self, params: list[torch.Tensor], set_to_none: bool) -> set[int]:
-        """``module.zero_grad()`` while updates are pending: clear the gradients of pending parameters
-        right after their update (so the overlap survives it); ids of the parameters it took."""
-        deferred = self.deferred
-        if deferred is None:
-            return set()
-        taken = {id(p) for p in params if deferred.owns(p)}
-        if any(id(p) in self._index for p in params):
-            self.none_when_unused = set_to_none
-        for pid in taken:
-            deferred.zero_after[deferred.pending[pid]] = set_to_none
-        return taken
-
-    def _applied_outside(self, reason: str, count: int, name: str) -> None:
-        """``count`` pending updates were applied by ``reason``, outside the forward's gates: say so once
-        (not for the ends of training, nor for parameters the forward did not use before the next step)."""
-        if not count:
-            return
-        self.applied_by[reason] += count
-        if reason in _QUIET_REASONS:
-            return
-        if not self._warned_outside and self.topo.worker_rank == 0:
-            self._warned_outside = True
-            log.warning("IMerge: %s read %r before the next forward reached it, so its pending update (and any "
-                        "others read that way) was applied there, not overlapped with the forward (exact, slower). "
-                        "Read parameters before step() or after the forward to keep the overlap; "
-                        "IMERGE_LOG_LEVEL=info prints how many updates the forward applied at shutdown",
-                        reason, name)
-
-    def _before_forward(self, module: torch.nn.Module, _args) -> None:
-        deferred = self.deferred
-        if deferred is None:
-            return
-        gated = self._gate_of_module.get(id(module), ())
-        mine = [self.params[i] for i in gated if deferred.owns(self.params[i])]
-        mine += [p for p in module._parameters.values() if p is not None and deferred.owns(p) and
-                 not any(p is q for q in mine)]
-        if not mine:
-            return
-        if self.events is not None:
-            ready = all(self.groups[self.group_of[self._index[id(p)]]].done.is_set() for p in mine)
-            self.events.append(("wait_begin", type(module).__name__, time.monotonic(), ready))
-        wait_start = time.monotonic()
-        applied = deferred.apply(mine)
-        deferred.by_gates += applied
-        self.applied_by["forward gates"] += applied
-        if self.timeline is not None:
-            self.timeline.span(f"wait+update {type(module).__name__}", "wait", wait_start, time.monotonic())
-        if self.events is not None:
-            self.events.append(("wait_end", type(module).__name__, time.monotonic(), None))
-        if deferred.finished:
-            self._end_deferral()
+        """``module.zero_grad()`` while updates are pending (``deferral.Overlap.zero_pending``)."""
+        return self.overlap.zero_pending(params, set_to_none)
 
     def flush_deferred(self, reason: str = "the next step()") -> None:
-        """Apply every pending update of the recorded step (waits for its groups); ``reason``: who asked.
-
-        After a forward and backward, what is still pending belongs to parameters that forward did
-        not use (hence the default). At ``shutdown()`` the overlap summary is logged (info level).
-        """
-        deferred = self.deferred
-        if deferred is not None:
-            pending = list(deferred.pending.values())
-            name = self.names[pending[0]] if pending else ""
-            self._applied_outside(reason, deferred.flush(), name)
-            self._end_deferral()
-        if reason == "shutdown()" and self.applied_by:
-            log.info("%s", self.overlap_summary())
-            self.applied_by.clear()  # said once
-
-    def _end_deferral(self) -> None:
-        # DeferredStep.apply waited for (and released) every group of the recorded round. Groups
-        # that are submitted now belong to the next round (a flush from the next step() runs after
-        # its backward) and must stay submitted, or push_remaining() would push them twice.
-        deferred, self.deferred = self.deferred, None
-        if self.timeline is not None and deferred is not None:
-            self.timeline.span(f"overlap: {deferred.by_gates}/{deferred.total} updates in the forward", "overlap",
-                               self._deferred_at, time.monotonic())
-        if self._forward_hook is not None:
-            self._forward_hook.remove()
-            self._forward_hook = None
-            AccessGuard.deactivate(self)
+        """Apply every pending update of the recorded step (waits for its groups); ``reason``: who asked."""
+        self.overlap.flush(reason)
 
     def overlap_summary(self) -> str:
-        """One line: how many deferred updates the forward's gates applied, and who applied the rest."""
-        total = sum(self.applied_by.values())
-        gates = self.applied_by.get("forward gates", 0)
-        if not total:
-            return f"IMerge worker {self.topo.worker_rank}: no update was deferred into a forward"
-        others = ", ".join(f"{why} {n}" for why, n in self.applied_by.most_common() if why != "forward gates")
-        return (f"IMerge worker {self.topo.worker_rank}: {gates}/{total} deferred updates "
-                f"({100.0 * gates / total:.1f}%) applied by the forward's gates"
-                + (f"; the others by: {others}" if others else ""))
+        return self.overlap.summary()
+
+    def wait_params(self, indices: list[int]) -> None:
+        """Wait for the groups holding parameters ``indices`` and take their results (a deferred update)."""
+        for g in sorted({self.group_of[i] for i in indices}):
+            group = self.groups[g]
+            self.wait_group(group)
+            group.submitted = False
 
     def _take_parameters_of(self, worker: int) -> None:
         """After join(): every worker takes ``worker``'s parameters and step count (DDP's Join does too)."""
@@ -756,16 +636,11 @@ class GradientEngine:
         Gradients that are views into those buffers keep them alive until they are dropped.
         """
         self.flush_deferred("close()")
-        if self.applied_by:
-            log.info("%s", self.overlap_summary())
-        self.applied_by.clear()  # said once
+        self.overlap.say_summary()
         if self.groups and self.comm is not None and self.comm.failed is None:
             runtime.unregister_keys(self.client)
         self.remove()
-        if self._learner is not None:
-            self._learner.close()
-            AccessGuard.release()
-            self._learner = None
+        self.overlap.close()
         if self.replanner is not None:
             self.replanner.close()
         runtime.remove_callbacks(self.flush_deferred, self._finish_before_join, self._take_parameters_of,
