@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks.cells import run_cell  # noqa: E402
 
 MODELS = ("synthetic", "alexnet", "resnet18", "resnet50", "vgg16")
 SCHEDULES = ("ddp", "ddp-tuned", "mpi-allreduce", "default", "wfbp", "priority", "imerge")
@@ -110,16 +111,9 @@ def main() -> None:
             for schedule in args.schedules.split(","):
                 if (model, workers, schedule) in done:
                     continue
-                cmd = [sys.executable, __file__, "--cell", f"{model},{workers},{schedule}"]
-                try:
-                    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
-                    row = json.loads(ran.stdout.strip().splitlines()[-1])
-                except subprocess.TimeoutExpired:
-                    row = {"model": model, "workers": workers, "schedule": schedule,
-                           "error": f"not simulated within {args.timeout:.0f} s"}
-                except subprocess.CalledProcessError as failed:
-                    row = {"model": model, "workers": workers, "schedule": schedule,
-                           "error": (failed.stderr.strip().splitlines() or ["failed"])[-1]}
+                row = run_cell(__file__, f"{model},{workers},{schedule}",
+                               {"model": model, "workers": workers, "schedule": schedule}, args.timeout,
+                               "not simulated within {timeout_s:.0f} s")
                 rows.append(row)
                 shown = (f"{row['iteration_s']:.4f} s/iter  {row['samples_per_s']:9.1f} samples/s  speed-up "
                          f"{row['speedup']:6.1f}  ({row['cpu_s']:.0f} s cpu)" if "error" not in row else row["error"])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from benchmarks.cells import run_cell  # noqa: E402
 
 PROFILES = ("alexnet", "resnet18", "resnet50", "vgg16", "synthetic")
 
@@ -89,16 +90,9 @@ def main() -> None:
     for profile in args.profiles.split(","):
         for workers in map(int, args.workers.split(",")):
             for servers in sorted({workers, max(1, workers // 2)}, reverse=True):
-                cmd = [sys.executable, __file__, "--cell", f"{profile},{workers},{servers}"]
-                try:
-                    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=True)
-                    row = json.loads(out.stdout.strip().splitlines()[-1])
-                except subprocess.TimeoutExpired:
-                    row = {"profile": profile, "workers": workers, "servers": servers,
-                           "error": f"not finished in {args.timeout:.0f} s"}
-                except subprocess.CalledProcessError as failed:
-                    row = {"profile": profile, "workers": workers, "servers": servers,
-                           "error": failed.stderr.strip().splitlines()[-1] if failed.stderr.strip() else "failed"}
+                row = run_cell(__file__, f"{profile},{workers},{servers}",
+                               {"profile": profile, "workers": workers, "servers": servers}, args.timeout,
+                               "not finished in {timeout_s:.0f} s")
                 rows.append(row)
                 shown = (f"search cpu {row['cpu_s']:7.2f} s wall {row['wall_s']:7.2f} s  foreground cpu "
                          f"{row['foreground_cpu_s']:5.2f} s{' (then background)' if row['background'] else ''}  "

@@ -624,7 +624,7 @@ def _agree_master_address_port(topo: Topology) -> tuple[str, int]:
     value: tuple = (None, None, None)
     if topo.worker_rank == 0:
         try:
-            value = (*_serve_rendezvous(topo, own, reports), None)
+            value = (*_serve_rendezvous(topo, spans, own, reports), None)
         except IMergeConfigError as exc:
             value = (None, None, str(exc))
     address, port, error = collective(topo.worker_comm, "bcast", value, "worker 0's address and port")
@@ -638,15 +638,14 @@ def _agree_master_address_port(topo: Topology) -> tuple[str, int]:
     return address, port
 
 
-def _serve_rendezvous(topo: Topology, own: list, reports: list | None) -> tuple[str, int]:
-    """Worker 0: the address (``MASTER_ADDR``, ``master_interface`` or chosen) and a store listening on it."""
-    hosts = list(topo.hosts[:topo.num_workers]) or [topo.host]  # worker w's host
-    spans = len(set(hosts)) > 1
+def _serve_rendezvous(topo: Topology, spans: bool, own: list, reports: list | None) -> tuple[str, int]:
+    """Worker 0: the address (``MASTER_ADDR``, ``master_interface`` or chosen) and a store listening on it.
+    ``reports``: every worker's interfaces where workers span hosts (one worker per other host is asked)."""
     if os.environ.get("MASTER_ADDR"):
         address = rendezvous.check_address(os.environ["MASTER_ADDR"], spans, "MASTER_ADDR")
     else:
-        first_on_host = {host: w for w, host in reversed(list(enumerate(hosts)))}
-        others = [reports[w] for host, w in first_on_host.items() if host != hosts[0]] if reports else []
+        others = [reports[topo.workers_on(host)[0]] for host in topo.worker_hosts if host != topo.host] \
+            if reports else []
         address = rendezvous.choose_address(own, others, config().master_interface, spans)
         address = rendezvous.check_address(address, spans, "the chosen address")
     port = 0
@@ -656,7 +655,7 @@ def _serve_rendezvous(topo: Topology, own: list, reports: list | None) -> tuple[
             raise IMergeConfigError(f"IMerge worker 0: MASTER_PORT={text!r} is not a TCP port number")
         port = int(text)
     sock = rendezvous.listen(address, port)
-    _state.store_socket = sock
+    _state.store_socket = sock  # the store serves on its file descriptor: the socket must stay open
     _state.store = rendezvous.serve_store(sock, topo.num_workers, config().timeout_s)
     log.debug("IMerge worker 0: torch.distributed store on %s:%d", address, sock.getsockname()[1])
     return address, sock.getsockname()[1]

@@ -125,7 +125,7 @@ class Replanner:
             if result is None:
                 result = plan(inputs["sizes"], inputs["ready"], self.model, "optimal", dtypes=inputs["dtypes"])
                 result.note = "the DP's plan, while the search runs in the background"
-            return order, result, self._tail_group([[order[j] for j in g] for g in result.groups]), True
+            return order, result, self._tail_of(order, result), True
         return order, result, self._kept(order, result), False
 
     def _budget(self) -> float | None:
@@ -137,9 +137,13 @@ class Replanner:
             return None
         return cfg.plan_search_budget_s
 
+    def _tail_of(self, order: list[int], result: Plan) -> int | None:
+        """A plan's tail group, its groups given as positions in ``order``."""
+        return self._tail_group([[order[j] for j in group] for group in result.groups])
+
     def _kept(self, order: list[int], result: Plan) -> int | None:
         """Worker 0: a searched plan's tail group; the plan goes to the plan cache."""
-        tail = self._tail_group([[order[j] for j in group] for group in result.groups])
+        tail = self._tail_of(order, result)
         if self.cache_entry is not None:
             store_plan(self.cache_entry[0], self.cache_entry[1], order, result, tail)
         return tail
