@@ -122,7 +122,7 @@ def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: 
               "returncode": proc.returncode, "timed_out": timed_out, "stdout": stdout, "stderr": stderr,
               "model": None, "model_error": None}
     if os.path.exists(out):
-        from imerge_hooks.plan.costmodel import PSModel
+        from imerge_hooks.internals import PSModel
 
         try:
             result["model"] = PSModel.from_json(out)

@@ -31,10 +31,16 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.plans import tensor_names  # noqa: E402
-from imerge_hooks.config import Config  # noqa: E402
-from imerge_hooks.plan import calibrate  # noqa: E402
-from imerge_hooks.plan.choice import choose_plan, cluster_for, model_spec_from_profile  # noqa: E402
-from imerge_hooks.plan.costmodel import PSModel, extend_table, planner_model  # noqa: E402
+from imerge_hooks import Config  # noqa: E402
+from imerge_hooks.internals import (  # noqa: E402
+    PSModel,
+    calibrate,
+    choose_plan,
+    cluster_for,
+    extend_table,
+    model_spec_from_profile,
+    planner_model,
+)
 from imerge_hooks.simulate import ClusterSpec, ModelSpec, calibrate_model, simulate  # noqa: E402
 
 PROFILES = REPO / "benchmarks" / "profiles"

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.replay import ReplayModel  # noqa: E402
-from imerge_hooks.gates import AccessGuard  # noqa: E402
+from imerge_hooks.internals import AccessGuard  # noqa: E402
 
 
 class _PendingEngine:

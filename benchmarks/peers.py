@@ -23,8 +23,7 @@ import time
 import numpy as np
 import torch
 
-from imerge_hooks._mpi import MPI
-from imerge_hooks.polling import Backoff
+from imerge_hooks.internals import MPI, Backoff
 
 PEERS = ("ddp", "ddp-tuned", "mpi-allreduce")
 DDP_CAPS_MB = (4, 25)

@@ -36,10 +36,9 @@ PROFILES = ("alexnet", "resnet18", "resnet50", "vgg16", "synthetic")
 
 def cell(profile: str, workers: int, servers: int) -> dict:
     from benchmarks.calibrate_budget import profile_inputs
-    from imerge_hooks.config import Config
-    from imerge_hooks.plan.choice import choose_plan
-    from imerge_hooks.plan.planner import plan
-    from imerge_hooks.plan.search import SearchBudgetSpent
+    from imerge_hooks import Config
+    from imerge_hooks.internals import SearchBudgetSpent, choose_plan
+    from imerge_hooks.internals import plan_groups as plan
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, calibrate_model, simulate
 
     path = REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json"

@@ -23,9 +23,8 @@ import itertools
 import json
 from pathlib import Path
 
-from imerge_hooks.config import SCHEDULE_TRAITS, Config
-from imerge_hooks.plan.choice import choose_plan
-from imerge_hooks.plan.costmodel import planner_model
+from imerge_hooks import Config
+from imerge_hooks.internals import SCHEDULE_TRAITS, choose_plan, planner_model
 from imerge_hooks.simulate import ClusterSpec, ModelSpec, calibrate_model, simulate
 
 PROFILES = Path(__file__).resolve().parent / "profiles"

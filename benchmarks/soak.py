@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import imerge_hooks as imh  # noqa: E402
 from benchmarks.replay import ReplayModel  # noqa: E402
-from imerge_hooks import runtime  # noqa: E402
+from imerge_hooks.internals import server_stages, session  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -42,11 +42,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     imh.init(serve="stage")
-    topo = runtime.topology()
+    topo = session.topology()
     if topo.is_server:
-        runtime.serve_stage()  # training stage
+        server_stages.serve_stage()  # training stage
         first = rss_mb()
-        runtime.serve_until_shutdown()
+        server_stages.serve_until_shutdown()
         Path(args.out + f".server{topo.server_index}").write_text(json.dumps({"after_warmup_mb": first,
                                                                              "end_mb": rss_mb()}))
         return
@@ -62,7 +62,7 @@ def main() -> None:
         opt.step()
         if it == args.warmup:
             warm = rss_mb()
-            runtime.end_stage()  # lets the servers sample their memory after warm-up too
+            server_stages.end_stage()  # lets the servers sample their memory after warm-up too
         if it % 100 == 0:
             samples.append((it, rss_mb()))
             if imh.rank() == 0:

@@ -4,7 +4,7 @@
 
 Launches ``--ranks`` ranks (the last ``--servers`` of them servers) under ``mpiexec`` and, on every
 worker, times: ``init()``; building a ``DistributedOptimizer`` over a small model (its key
-registration with every server); ``runtime.from_worker0`` of a plan-sized object (the plan
+registration with every server); ``handoff.from_worker0`` of a plan-sized object (the plan
 hand-off); ``broadcast_parameters`` of ``--mb`` MB of float32 tensors; ``broadcast_object`` of a
 small object; a barrier (one collective's round trip through the tree). Prints a table of the
 slowest worker's time per step and writes the JSON. ``--inside`` is what each rank runs.
@@ -29,7 +29,7 @@ def inside(mb: float) -> None:
     import torch
 
     import imerge_hooks as imh
-    from imerge_hooks import runtime
+    from imerge_hooks.internals import collectives, handoff, session
 
     imported = time.perf_counter()
     imh.init()
@@ -37,7 +37,7 @@ def inside(mb: float) -> None:
     rank, workers = imh.rank(), imh.size()
 
     def timed(step: str, fn) -> None:
-        runtime.collective(runtime.topology().worker_comm, "barrier", None, f"the start of {step}")
+        collectives.collective(session.topology().worker_comm, "barrier", None, f"the start of {step}")
         t = time.perf_counter()
         fn()
         times[step] = time.perf_counter() - t
@@ -52,14 +52,14 @@ def inside(mb: float) -> None:
 
     timed("register", register)
     plan = [[i] for i in range(2000)] if rank == 0 else None
-    timed("handoff", lambda: runtime.from_worker0(plan, "a plan"))
+    timed("handoff", lambda: handoff.from_worker0(plan, "a plan"))
     count = max(1, int(mb * 2**20 / 4 / 2**20))
     tensors = {f"t{i}": torch.full((2**20,), float(rank)) for i in range(count)}
     timed("broadcast_parameters", lambda: imh.broadcast_parameters(tensors, root_rank=0))
     assert all(float(t[0]) == 0.0 for t in tensors.values())
     timed("broadcast_object", lambda: imh.broadcast_object({"epoch": 3, "names": list(range(100))}))
-    timed("barrier", lambda: runtime.collective(runtime.topology().worker_comm, "barrier", None, "a barrier"))
-    rows = runtime.collective(runtime.topology().worker_comm, "gather", times, "the start-up times")
+    timed("barrier", lambda: collectives.collective(session.topology().worker_comm, "barrier", None, "a barrier"))
+    rows = collectives.collective(session.topology().worker_comm, "gather", times, "the start-up times")
     if rank == 0:
         print("STARTUP " + json.dumps({"workers": workers, "servers": imh.num_servers(), "mb": count * 4,
                                        "per_worker": rows}), flush=True)

@@ -58,7 +58,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.replay import ReplayModel, load_profile  # noqa: E402
-from imerge_hooks._mpi import MPI  # noqa: E402
+from imerge_hooks.internals import MPI  # noqa: E402
 
 PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")
 
@@ -270,8 +270,7 @@ def _ab_policies(engine, alternate: str | None) -> list[dict] | None:
 def _policy_value(name: str, text: str) -> bool | int | None:
     """``--alternate``'s value for one SchedulePolicy field, parsed as the IMERGE_* env vars are
     (``Config.from_env``): a bool field takes true/false/on/off/1/0, the byte fields an int or ``none``."""
-    from imerge_hooks.config import parse_value
-    from imerge_hooks.schedule import SchedulePolicy
+    from imerge_hooks.internals import SchedulePolicy, parse_value
 
     field_type = next(f.type for f in dataclasses.fields(SchedulePolicy) if f.name == name)
     try:
@@ -311,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     import imerge_hooks as imh
-    from imerge_hooks import runtime
+    from imerge_hooks.internals import session
 
     imh.init()  # servers serve here and exit
-    topo = runtime.topology()
+    topo = session.topology()
     comm = topo.worker_comm if topo.num_workers > 1 else None
     if args.baseline:
         # One worker, no communication, in this same process (no extra launch): worker 0 trains

@@ -158,9 +158,9 @@ def main() -> None:
     if trainer.is_global_zero:  # False on IMerge's server ranks too
         schedule = "-"
         if args.strategy == "imerge":
-            from imerge_hooks import runtime
+            from imerge_hooks import session
 
-            schedule = args.schedule or runtime.config().schedule
+            schedule = args.schedule or session.config().schedule
         print(f"RESULT strategy={args.strategy} schedule={schedule} workers={trainer.world_size} "
               f"val_acc={float(trainer.callback_metrics['val_acc']):.4f} "
               f"samples_per_s={progress.samples_per_s():.1f} time_s={time.perf_counter() - started:.1f}", flush=True)

@@ -95,8 +95,9 @@ from .process import (
     start_timeline,
     stop_timeline,
 )
-from .runtime import shutdown, worker_group
+from .runtime import shutdown
 from .state_broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .torch_world import worker_group
 
 __version__ = "0.1.0"
 

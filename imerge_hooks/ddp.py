@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import runtime, streams
+from . import runtime, session, streams
 from .config import PROCESS_OPTIONS, SCHEDULE_TRAITS, SCHEDULES, Config
 from .engine import GradientEngine
 from .errors import IMergeArgumentError, IMergeConfigError, IMergeUsageError
@@ -66,12 +66,12 @@ class IMergeHookState:
 
     def __init__(self, schedule: str | None = None, named_parameters: Any | None = None,
                  process_group: Any | None = None, **config: Any) -> None:
-        if not runtime.is_initialized():
+        if not session.is_initialized():
             _refuse_world_process_group()
             runtime.init()
         _check_process_group(process_group)
         schedule = _hook_schedule(schedule)
-        self.cfg = _checked(runtime.engine_config("IMergeHookState", schedule=schedule, **config))
+        self.cfg = _checked(session.engine_config("IMergeHookState", schedule=schedule, **config))
         self.names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         self._attach()
 
@@ -88,7 +88,7 @@ class IMergeHookState:
         unknown = sorted(set(state_dict) - {f.name for f in dataclasses.fields(Config)})
         if unknown:
             raise IMergeConfigError(f"IMergeHookState.load_state_dict: unknown setting(s) {', '.join(unknown)}")
-        cfg = _checked(runtime.engine_config("IMergeHookState.load_state_dict", **state_dict))
+        cfg = _checked(session.engine_config("IMergeHookState.load_state_dict", **state_dict))
         if self.engine is not None and cfg != self.cfg:
             raise IMergeUsageError("IMergeHookState.load_state_dict: this hook state has already synchronised "
                                    "gradients; load the settings before the first backward")
@@ -108,13 +108,13 @@ class IMergeHookState:
         self.names = {}
         self.engine = None
         self.attached = False
-        if runtime.is_initialized():
+        if session.is_initialized():
             self._attach()
 
     def _attach(self) -> None:
         """Bind to this process's IMerge runtime; the engine is built at the first iteration."""
-        self.topo = runtime.topology()
-        self.comm = runtime.comm_thread()
+        self.topo = session.topology()
+        self.comm = session.comm_thread()
         self.engine: BucketEngine | None = None
         self.signature: list[tuple] = []  # the engine's buckets: (numel, dtype, device, names)
         self.iteration_open = False
@@ -138,7 +138,7 @@ class IMergeHookState:
 
     def push(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         if not self.attached:
-            if not runtime.is_initialized():
+            if not session.is_initialized():
                 raise IMergeUsageError("IMerge: an unpickled IMergeHookState ran before imerge_hooks.init(); call "
                                        "init() first (unpickling never starts MPI)")
             self._attach()
@@ -258,8 +258,8 @@ def _hook_schedule(schedule: str | None) -> str:
     global _logged_stand_in
     if schedule is not None:
         source, name = "the schedule argument", schedule
-    elif runtime.init_option("schedule") is not None:
-        source, name = "imerge_hooks.init(schedule=...)", runtime.init_option("schedule")
+    elif session.init_option("schedule") is not None:
+        source, name = "imerge_hooks.init(schedule=...)", session.init_option("schedule")
     elif os.environ.get("IMERGE_SCHEDULE"):
         source, name = "IMERGE_SCHEDULE", os.environ["IMERGE_SCHEDULE"]
     else:
@@ -268,7 +268,7 @@ def _hook_schedule(schedule: str | None) -> str:
         raise IMergeConfigError(f"IMerge: unknown schedule {name!r} ({source}) for the DDP hook; it supports "
                                 f"{', '.join(_BUCKET_SCHEDULES)}")
     if schedule is None and name not in _BUCKET_SCHEDULES:
-        if not _logged_stand_in and runtime.topology().worker_rank == 0:
+        if not _logged_stand_in and session.topology().worker_rank == 0:
             log.warning("IMerge: %s is %r, which overlaps with the next forward pass; a DDP comm hook cannot "
                         "(DDP waits for every bucket before step()), so the DDP hook runs %r (the same plan, no "
                         "overlap). Pass IMergeHookState(schedule=...) to choose, or use DistributedOptimizer for "
@@ -296,7 +296,7 @@ def _check_process_group(group: Any | None) -> None:
     """IMerge averages over all workers: a DDP over a subgroup of them would be averaged wrongly."""
     if group is None:
         return
-    workers = runtime.topology().num_workers
+    workers = session.topology().num_workers
     size = dist.get_world_size(group)
     if size != workers:
         raise IMergeConfigError(

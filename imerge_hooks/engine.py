@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import devices, runtime, streams
+from . import collectives, devices, key_table, session, streams
 from .config import Config
 from .deferral import DeferredStep, Overlap
 from .errors import IMergeUsageError
@@ -37,9 +37,9 @@ class GradientEngine:
 
     def __init__(self, named_parameters: Sequence[tuple[str, torch.nn.Parameter]], config: Config) -> None:
         self.cfg = config
-        self.topo = runtime.topology()
-        self.comm = runtime.comm_thread()
-        self.client = runtime.new_client_id()
+        self.topo = session.topology()
+        self.comm = session.comm_thread()
+        self.client = session.new_client_id()
         self.names = [name for name, _ in named_parameters]
         self.params = [p for _, p in named_parameters]
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -80,7 +80,7 @@ class GradientEngine:
 
             self.replanner = Replanner(self)
             self.listeners.append(self.replanner)
-        self.timeline = runtime.timeline()
+        self.timeline = session.timeline()
         # Called with each group as it is submitted: returns a one-shot fn(error_or_None) the comm
         # thread runs when the group completes (the DDP hook resolves its futures with it).
         self.on_complete = None
@@ -90,10 +90,8 @@ class GradientEngine:
     def _connect(self) -> None:
         """Where gradients come from and what the process asks of this engine: grad hooks on the
         parameters, flush and join callbacks, the timeline's module spans."""
-        runtime.add_flush_callback(self.flush_deferred)
-        runtime._state.join_callbacks.append(self._finish_before_join)
-        runtime._state.after_join_callbacks.append(self._take_parameters_of)
-        runtime._state.shadow_callbacks.append(self.shadow_round)
+        session.add_flush_callback(self.flush_deferred)
+        session.add_join_callbacks(self._finish_before_join, self._take_parameters_of, self.shadow_round)
         if self.timeline is not None:
             self.timeline.watch_modules(lambda m: any(id(p) in self._index for p in m._parameters.values()
                                                       if p is not None))
@@ -212,7 +210,7 @@ class GradientEngine:
             group.release_buffers()
         self._spare_views = []
         placement = self.topo.placement()
-        key_ids = iter(runtime.allocate_keys(self._count_keys(plan)))
+        key_ids = iter(key_table.allocate_keys(self._count_keys(plan)))
         groups: list[Group] = []
         views: list[torch.Tensor | None] = [None] * len(self.params)
         spare: list[torch.Tensor | None] = [None] * len(self.params)  # views into swap groups' result
@@ -273,7 +271,7 @@ class GradientEngine:
         self.views = views
         self._spare_views = spare
         self.group_arrived = [0] * len(groups)
-        self.epoch = runtime.register_keys(self.client, [k for g in groups for k in g.keys],
+        self.epoch = key_table.register_keys(self.client, [k for g in groups for k in g.keys],
                                            [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.names, self.params)])
         if self.topo.num_servers > 1:
             log.info("IMerge worker %d: plan epoch %d, %d groups, %d keys, server load max/mean %.3f",
@@ -616,7 +614,7 @@ class GradientEngine:
         if topo.num_workers == 1:
             return
         mine = (self.iteration, [p.detach().cpu() for p in self.params]) if topo.worker_rank == worker else None
-        iteration, values = runtime.collective(topo.worker_comm, "bcast", mine, "the last joiner's parameters",
+        iteration, values = collectives.collective(topo.worker_comm, "bcast", mine, "the last joiner's parameters",
                                                root=worker)
         self.iteration = iteration
         if topo.worker_rank != worker:
@@ -638,12 +636,12 @@ class GradientEngine:
         self.flush_deferred("close()")
         self.overlap.say_summary()
         if self.groups and self.comm is not None and self.comm.failed is None:
-            runtime.unregister_keys(self.client)
+            key_table.unregister_keys(self.client)
         self.remove()
         self.overlap.close()
         if self.replanner is not None:
             self.replanner.close()
-        runtime.remove_callbacks(self.flush_deferred, self._finish_before_join, self._take_parameters_of,
+        session.remove_callbacks(self.flush_deferred, self._finish_before_join, self._take_parameters_of,
                                 self.shadow_round)
         for group in self.groups:
             group.flat = group.result = group.staging = None

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, runtime
+from . import collectives, session
 from ._mpi import MPI
 from .collectives import collective
 from .errors import (
@@ -62,7 +62,7 @@ def _compressor(compression: Any) -> Any:
 
 # ---------------------------------------------------------------------- agreement and waiting
 def _topology() -> Topology:
-    topo = runtime.topology()
+    topo = session.topology()
     if topo.is_server:
         raise IMergeUsageError(f"{whoami()}: tensor collectives run on workers only; servers serve in init()")
     return topo
@@ -100,7 +100,7 @@ def _agree(kind: str, name: str | None, meta: dict[str, Any], same: Sequence[str
 
 def _wait(requests: list[Any], what: str) -> None:
     """Poll ``requests`` with back-off until all complete; IMergeTimeoutError at ``timeout_s``."""
-    wait = DeadlineWait(runtime.config().timeout_s)
+    wait = DeadlineWait(session.config().timeout_s)
     while not MPI.Request.Testall(requests):
         if wait.expired():
             raise record_fatal(IMergeTimeoutError(
@@ -345,7 +345,7 @@ class _AllgatherFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         reduced = _reduced("allreduce", [grad], None, ReduceOp.Average, 1.0, 1.0)[0]
         rows = _gathered(torch.tensor([ctx.rows]), None).tolist()
-        offset = sum(rows[:runtime.topology().worker_rank])
+        offset = sum(rows[:session.topology().worker_rank])
         mine = reduced.narrow(0, offset, ctx.rows)
         return (mine.reshape(()) if ctx.scalar else mine), None
 
@@ -377,7 +377,7 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         reduced = _reduced("grouped_allreduce", list(grads), None, ReduceOp.Average, 1.0, 1.0)
         rows = _gathered(torch.tensor([ctx.rows]), None)  # (workers, tensors)
-        me = runtime.topology().worker_rank
+        me = session.topology().worker_rank
         mine = [r.narrow(0, int(rows[:me, i].sum()), n) for i, (r, n) in enumerate(zip(reduced, ctx.rows))]
         return (None, *(m.reshape(()) if scalar else m for m, scalar in zip(mine, ctx.scalars)))
 
@@ -421,7 +421,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     indices = _gathered(tensor._indices().transpose(0, 1).contiguous(), f"{name}.indices")
     values = _gathered(tensor._values(), f"{name}.values")
     if op is ReduceOp.Average:
-        values = values / runtime.topology().num_workers
+        values = values / session.topology().num_workers
     result = torch.sparse_coo_tensor(indices.transpose(0, 1), values, tensor.shape)
     return lambda: result
 
@@ -453,7 +453,7 @@ class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         reduced = _reduced("allreduce", [grad], None, ReduceOp.Average, 1.0, 1.0)[0]
-        if runtime.topology().worker_rank != ctx.root_rank:
+        if session.topology().worker_rank != ctx.root_rank:
             reduced = reduced * 0
         return reduced, None, None
 
@@ -472,7 +472,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """In-place ``broadcast``: ``tensor`` holds ``root_rank``'s values; returns it."""
     check_process_set(process_set, "broadcast_")
     result = _broadcasted(tensor, root_rank, name)
-    return tensor if runtime.topology().worker_rank == root_rank else _write_back(tensor, result)
+    return tensor if session.topology().worker_rank == root_rank else _write_back(tensor, result)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -612,7 +612,7 @@ class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, kind: str, name: str | None, op: ReduceOp, prescale: float, postscale: float,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.factor = (runtime.topology().num_workers if op is ReduceOp.Sum else 1) * prescale * postscale
+        ctx.factor = (session.topology().num_workers if op is ReduceOp.Sum else 1) * prescale * postscale
         return tuple(_scattered(kind, tensors, name, op, prescale, postscale))
 
     @staticmethod

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from . import runtime
+from . import runtime, session
 from .config import Config
 from .engine import GradientEngine
 from .errors import IMergeConfigError, IMergeUsageError
@@ -147,11 +147,11 @@ class _DistributedMixin:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        runtime.flush_all("optimizer.state_dict()")
+        session.flush_all("optimizer.state_dict()")
         return super().state_dict()  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        runtime.flush_all("optimizer.load_state_dict()")
+        session.flush_all("optimizer.load_state_dict()")
         self._imerge_synchronized = False
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
@@ -255,11 +255,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(optimizer, _DistributedMixin):
         raise ValueError("IMerge: this optimizer is already a DistributedOptimizer")
     op = _check_horovod_options(op, gradient_predivide_factor, num_groups, groups, process_set)
-    if not runtime.is_initialized():
+    if not session.is_initialized():
         runtime.init()
     overrides = _engine_overrides(config, schedule, backward_passes_per_step, compression, op)
-    factor = float(runtime.topology().num_workers) if op is ReduceOp.Sum else 1.0
-    cfg = runtime.engine_config("DistributedOptimizer", **overrides)
+    factor = float(session.topology().num_workers) if op is ReduceOp.Sum else 1.0
+    cfg = session.engine_config("DistributedOptimizer", **overrides)
     named = _named_parameters(optimizer, named_parameters)
     layouts: dict[int, int] = {}
     build = (factor, layouts, bool(sparse_as_dense))
@@ -278,7 +278,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 def _build_engine(named: list, cfg: Config, factor: float, layouts: dict[int, int],
                   sparse_as_dense: bool) -> tuple[GradientEngine, list]:
     """The engine over ``named`` and its sparse-gradient hooks (registered first, so they run first)."""
-    worker = runtime.topology().worker_rank
+    worker = session.topology().worker_rank
     for name, p in named:
         dtype_name(p.dtype, name, f"worker {worker}")
     hooks = [p.register_post_accumulate_grad_hook(_sparse_hook(name, layouts, sparse_as_dense, worker))

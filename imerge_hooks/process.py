@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import runtime
+from . import runtime, session, worker_join
 from ._mpi import MPI
 from .collectives import collective
 from .errors import IMergeConfigError
@@ -23,32 +23,32 @@ __all__ = ["shutdown"]
 
 def is_server() -> bool:
     """True on parameter-server ranks (user code after ``init()`` normally never sees this)."""
-    return runtime.topology().is_server
+    return session.topology().is_server
 
 
 def rank() -> int:
     """This worker's rank among the workers (0 .. size()-1)."""
-    return runtime.topology().worker_rank
+    return session.topology().worker_rank
 
 
 def size() -> int:
     """Number of workers (servers not counted)."""
-    return runtime.topology().num_workers
+    return session.topology().num_workers
 
 
 def local_rank() -> int:
     """This worker's rank among the workers on its host."""
-    return runtime.topology().local_rank
+    return session.topology().local_rank
 
 
 def local_size() -> int:
     """Number of workers on this host."""
-    return runtime.topology().local_size
+    return session.topology().local_size
 
 
 def num_servers() -> int:
     """Number of parameter-server ranks."""
-    return runtime.topology().num_servers
+    return session.topology().num_servers
 
 
 class _GlobalProcessSet:
@@ -57,13 +57,13 @@ class _GlobalProcessSet:
     process_set_id = 0
 
     def rank(self) -> int:
-        return runtime.topology().worker_rank
+        return session.topology().worker_rank
 
     def size(self) -> int:
-        return runtime.topology().num_workers
+        return session.topology().num_workers
 
     def included(self) -> bool:
-        return not runtime.topology().is_server
+        return not session.topology().is_server
 
     def __repr__(self) -> str:
         return "global_process_set"
@@ -92,8 +92,8 @@ def remove_process_set(*_args: Any, **_kwargs: Any) -> None:
 
 
 def join(device: int = -1) -> int:
-    """Horovod's ``join(device)``: ``imerge_hooks.runtime.join()`` (``device`` is not needed)."""
-    return runtime.join()
+    """Horovod's ``join(device)``: ``imerge_hooks.worker_join.join()`` (``device`` is not needed)."""
+    return worker_join.join()
 
 
 # ---------------------------------------------------------------------- start-up and information
@@ -111,10 +111,10 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     try:
         runtime.init(num_servers, serve=serve, **config)
     except SystemExit as done:
-        if runtime.is_initialized() and runtime.topology().is_server:
+        if session.is_initialized() and session.topology().is_server:
             _end_server_process(done.code if isinstance(done.code, int) else 0)
         raise
-    if not runtime.topology().is_server:
+    if not session.topology().is_server:
         _host_layout()
 
 
@@ -142,7 +142,7 @@ def _host_layout() -> tuple[int, int, bool]:
     collective the first time (``init()`` does it, so the info functions are local afterwards)."""
     global _cross
     if _cross is None:
-        topo = runtime.topology()
+        topo = session.topology()
         ranks = collective(topo.worker_comm, "allgather", (topo.local_rank, topo.local_size),
                            "the workers' local ranks (cross_rank, cross_size)")
         peers = [r for r, (local, _) in enumerate(ranks) if local == topo.local_rank]
@@ -152,7 +152,7 @@ def _host_layout() -> tuple[int, int, bool]:
 
 def is_initialized() -> bool:
     """Whether ``init()`` has run in this process."""
-    return runtime.is_initialized()
+    return session.is_initialized()
 
 
 def cross_rank() -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import collectives, runtime
+from . import collectives, session
 from ._mpi import MPI
 from .errors import IMergeTimeoutError, IMergeUsageError
 from .failure import record_fatal, whoami
@@ -19,7 +19,7 @@ _CHUNK_BYTES = 1 << 30  # one Ibcast per GiB: MPI counts are 32-bit
 
 def _check_root(root_rank: Any, what: str) -> None:
     """``root_rank`` must be a worker rank (checked on every worker alike before any message)."""
-    topo = runtime.topology()
+    topo = session.topology()
     problem = collectives.root_problem(root_rank, topo.num_workers)
     if problem is not None:
         raise IMergeUsageError(f"IMerge worker {topo.worker_rank}: {what}: {problem}")
@@ -38,17 +38,17 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     ``params`` is a ``state_dict()``, ``named_parameters()`` or a list of tensors
     (``list(model.parameters())``); names (positions for a list) must match across workers.
     The root's table of names, shapes and dtypes goes first as an object collective with a deadline
-    (``runtime.collective``, a tree), so a worker that never calls this is named instead of leaving the
+    (``collectives.collective``, a tree), so a worker that never calls this is named instead of leaving the
     others waiting; the bytes then go by MPI's own broadcast (``Ibcast``: O(log W) steps, pipelined
     for large messages), bounded by the same deadline.
     """
-    topo = runtime.topology()
+    topo = session.topology()
     _check_root(root_rank, "broadcast_parameters")
     items = _named(params)
     if topo.num_workers == 1:
         return
     signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
-    root_signature = runtime.collective(topo.worker_comm, "bcast", signature,
+    root_signature = collectives.collective(topo.worker_comm, "bcast", signature,
                                         f"the parameters of worker {root_rank}", root=root_rank)
     if root_signature != signature:
         diff = next((f"{a} vs {b}" for a, b in zip(signature, root_signature) if a != b),
@@ -61,7 +61,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
 def broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, what: str) -> None:
     """``root_rank``'s values into every worker's ``tensors`` (same shapes and dtypes everywhere, checked
     by the caller), through one host buffer and MPI ``Ibcast`` polled until the process's deadline."""
-    topo = runtime.topology()
+    topo = session.topology()
     sizes = [t.numel() * t.element_size() for t in tensors]
     total = sum(sizes)
     if total == 0:
@@ -72,7 +72,7 @@ def broadcast_tensors(tensors: list[torch.Tensor], root_rank: int, what: str) ->
     else:
         flat = torch.empty(total, dtype=torch.uint8)
     buffer = flat.numpy()
-    wait = DeadlineWait(runtime.config().timeout_s)
+    wait = DeadlineWait(session.config().timeout_s)
     for start in range(0, total, _CHUNK_BYTES):
         request = topo.worker_comm.Ibcast([buffer[start:start + _CHUNK_BYTES], MPI.BYTE], root=root_rank)
         while not request.Test():
@@ -102,16 +102,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     ``model`` (Horovod's, to find sparse parameters) is not needed: the whole state dict goes, its
     structure as an object collective and its tensors' bytes by ``broadcast_tensors``.
     """
-    topo = runtime.topology()
+    topo = session.topology()
     _check_root(root_rank, "broadcast_optimizer_state")
     if topo.num_workers == 1:
         return
-    runtime.flush_all("broadcast_optimizer_state()")
+    session.flush_all("broadcast_optimizer_state()")
     what = f"the optimizer state of worker {root_rank}"
     skeleton, tensors = None, []
     if topo.worker_rank == root_rank:
         skeleton = _split_tensors(optimizer.state_dict(), tensors)
-    skeleton = runtime.collective(topo.worker_comm, "bcast", skeleton, what, root=root_rank)
+    skeleton = collectives.collective(topo.worker_comm, "bcast", skeleton, what, root=root_rank)
     if topo.worker_rank != root_rank:
         tensors = [torch.empty(shape, dtype=getattr(torch, dtype)) for shape, dtype in _tensor_specs(skeleton)]
     broadcast_tensors(tensors, root_rank, what)
@@ -160,5 +160,5 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     check_process_set(process_set, "broadcast_object")
     _check_root(root_rank, "broadcast_object")
     what = f"object {name!r}" if name else "an object"
-    return runtime.collective(runtime.topology().worker_comm, "bcast", obj, f"{what} from worker {root_rank}",
+    return collectives.collective(session.topology().worker_comm, "bcast", obj, f"{what} from worker {root_rank}",
                               root=root_rank)

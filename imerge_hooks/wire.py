@@ -8,9 +8,9 @@ All IMerge traffic runs on ``Topology.data_comm`` (a duplicate of COMM_WORLD):
 * ``TAG_ERROR`` server -> worker, pickled dict: an asynchronous error (bad push, stall).
 * ``TAG_TIMELINE`` server -> worker 0 at shutdown, pickled timeline events (``IMERGE_TIMELINE``).
 * ``TAG_DECISION`` worker 0 -> the other workers (on the workers' communicator), a pickled
-  decision such as the fusion plan (``runtime.from_worker0``).
+  decision such as the fusion plan (``handoff.from_worker0``).
 * ``TAG_COLLECTIVE`` rank -> rank (on the workers' communicator, or COMM_WORLD during ``init``),
-  a pickled value of a collective with a deadline (``runtime.collective``).
+  a pickled value of a collective with a deadline (``collectives.collective``).
 * ``TAG_HOST_SHUTDOWN`` worker -> the other workers of its host (host aggregation, on the host's
   communicator): this worker shut down; a local worker still waiting for its gradients stops at once.
 * ``key_tag(key, round)``: raw bytes of one key, worker -> server (push) and the averaged

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from imerge_hooks import runtime
+from imerge_hooks import session, torch_world
 from imerge_hooks._mpi import MPI, ensure_initialized
 from imerge_hooks.topology import Topology
 
@@ -53,12 +53,12 @@ class IMergeEnvironment(ClusterEnvironment):
         # Collective over the workers on first use; Lightning reads both at the same point on every rank.
         if self._main is None:
             self.topology()
-            self._main = runtime.master_address_port()
+            self._main = torch_world.master_address_port()
         return self._main
 
     @staticmethod
     def detect() -> bool:
-        return runtime.is_initialized()
+        return session.is_initialized()
 
     def world_size(self) -> int:
         return self.topology().num_workers
@@ -83,14 +83,14 @@ class IMergeEnvironment(ClusterEnvironment):
 
     def topology(self) -> Topology:
         """IMerge's roles, starting IMerge first if it is not running yet (collective over COMM_WORLD)."""
-        if not runtime.is_initialized():
+        if not session.is_initialized():
             self._start()
-        return runtime.topology()
+        return session.topology()
 
 
 def world_rank() -> int:
     """This process's rank in COMM_WORLD; starts MPI if nothing has (no collective)."""
-    if runtime.is_initialized():
-        return runtime.topology().world_rank
+    if session.is_initialized():
+        return session.topology().world_rank
     ensure_initialized()
     return MPI.COMM_WORLD.Get_rank()

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from imerge_hooks import runtime
+from imerge_hooks import collectives, server_stages, session
 
 from ._lightning import TrainerStatus, _Launcher
 from .serving import serve_stage
@@ -47,7 +47,7 @@ class IMergeLauncher(_Launcher):
 
     def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self._start()
-        if runtime.topology().is_server:
+        if session.topology().is_server:
             return _serve(trainer)
         self.in_stage = True
         try:
@@ -57,7 +57,7 @@ class IMergeLauncher(_Launcher):
             _end_stage_after_error()
             raise
         self.in_stage = False
-        runtime.end_stage(pack_result(result, trainer) if runtime.topology().worker_rank == 0 else None)
+        server_stages.end_stage(pack_result(result, trainer) if session.topology().worker_rank == 0 else None)
         _wait_for_all_workers()
         return result
 
@@ -103,11 +103,11 @@ def _serve(trainer: Any) -> Any:
 
 def _end_stage_after_error() -> None:
     try:
-        runtime.end_stage()
+        server_stages.end_stage()
     except Exception:  # the stage failed already (comm thread down, server gone): keep the first error
         log.exception("IMerge worker: could not tell the servers that the failed stage ended")
 
 
 def _wait_for_all_workers() -> None:
     """Barrier over the workers, polled (MPICH spins otherwise) and bounded by ``timeout_s``."""
-    runtime.collective(runtime.topology().worker_comm, "barrier", None, "the end of this Trainer stage")
+    collectives.collective(session.topology().worker_comm, "barrier", None, "the end of this Trainer stage")

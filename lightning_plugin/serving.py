@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 import imerge_hooks
-from imerge_hooks import runtime
+from imerge_hooks import server_stages, session
 from imerge_hooks.failure import fatal_error, whoami
 
 log = logging.getLogger("imerge")
@@ -31,7 +31,7 @@ def start(num_servers: int | None = None, config: dict[str, Any] | None = None) 
 
     Servers return here too: they serve stage by stage (``serve_stage``), then at exit.
     """
-    if not runtime.is_initialized():
+    if not session.is_initialized():
         imerge_hooks.init(num_servers, serve="stage", **(config or {}))
     serve_at_exit()
 
@@ -42,8 +42,8 @@ def serve_stage() -> bytes | None:
     global _workers_gone
     if _workers_gone:
         return None
-    _workers_gone = runtime.serve_stage() == "shutdown"
-    return None if _workers_gone else runtime.stage_result()
+    _workers_gone = server_stages.serve_stage() == "shutdown"
+    return None if _workers_gone else server_stages.stage_result()
 
 
 def serve_at_exit() -> None:
@@ -53,7 +53,7 @@ def serve_at_exit() -> None:
     server exits with the script's own status once the workers are done.
     """
     global _serving_at_exit
-    if not _serving_at_exit and runtime.topology().is_server:
+    if not _serving_at_exit and session.topology().is_server:
         _serving_at_exit = True
         atexit.register(_serve_until_shutdown)
         _report_script_errors_and_serve_on()

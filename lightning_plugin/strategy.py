@@ -32,7 +32,7 @@ from torch import Tensor
 from typing_extensions import override
 
 import imerge_hooks
-from imerge_hooks import runtime
+from imerge_hooks import session
 from imerge_hooks.config import PROCESS_OPTIONS, Config
 from imerge_hooks.devices import gpu_index
 from imerge_hooks.errors import IMergeConfigError
@@ -288,28 +288,28 @@ class IMergeStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ pending updates
     @override
     def on_validation_start(self) -> None:
-        runtime.flush_all()
+        session.flush_all()
 
     @override
     def on_test_start(self) -> None:
-        runtime.flush_all()
+        session.flush_all()
 
     @override
     def on_predict_start(self) -> None:
-        runtime.flush_all()
+        session.flush_all()
 
     @override
     def on_train_end(self) -> None:
-        runtime.flush_all()
+        session.flush_all()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        runtime.flush_all()
+        session.flush_all()
         return super().lightning_module_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        runtime.flush_all()
+        session.flush_all()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # worker 0 writes
 
     # ------------------------------------------------------------------ collectives over the workers
@@ -356,10 +356,10 @@ class IMergeStrategy(ParallelStrategy):
 
     def _may_close_optimizers(self) -> bool:
         """On a worker: inside a stage its servers still serve, or without servers (closing is local)."""
-        if not runtime.is_initialized() or runtime.topology().is_server:
+        if not session.is_initialized() or session.topology().is_server:
             return False
         launcher = self.launcher
-        return runtime.topology().num_servers == 0 or (isinstance(launcher, IMergeLauncher) and launcher.in_stage)
+        return session.topology().num_servers == 0 or (isinstance(launcher, IMergeLauncher) and launcher.in_stage)
 
     @classmethod
     @override
@@ -379,8 +379,8 @@ def _check_num_servers(num_servers: int | None) -> None:
         raise IMergeConfigError(f"IMergeStrategy(num_servers={num_servers}) disagrees with the environment "
                                 f"IMERGE_NUM_SERVERS={env}: every rank must use the same servers; pass one of them "
                                 "(or the same number in both)")
-    if runtime.is_initialized() and runtime.topology().num_servers != num_servers:
-        raise IMergeConfigError(f"IMerge is already running with {runtime.topology().num_servers} server(s); "
+    if session.is_initialized() and session.topology().num_servers != num_servers:
+        raise IMergeConfigError(f"IMerge is already running with {session.topology().num_servers} server(s); "
                                 f"IMergeStrategy(num_servers={num_servers}) cannot change that")
 
 

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import configparser
 import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from mpirun import REPO, run_mpi
 
@@ -18,5 +24,23 @@ def test_transport_benchmark_runs(tmp_path):
         assert r["raw_us"] > 0 and r["imerge_us"] > 0
         assert r["ratio"] > 0
         assert len(r["raw_sweeps"]) == len(r["imerge_sweeps"]) == data["args"]["sweeps"]
-    assert data["machine"]["nproc"] >= 1 and data["machine"]["mpi_library"]
+    assert data["machine"]["cpus"] >= 1 and data["machine"]["mpi_library"]
+    assert data["machine"]["nproc"] >= 1  # the lab's own record of the machine, beside the tool's
     assert "ratio" in run.stdout and "64 KiB" in run.stdout
+
+
+def _console_scripts() -> dict[str, str]:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    lines = cfg["options.entry_points"]["console_scripts"].strip().splitlines()
+    return dict(tuple(part.strip() for part in line.split("=")) for line in lines)
+
+
+@pytest.mark.parametrize("name", ["imerge-timeline-report", "imerge-calibrate", "imerge-transport-check"])
+def test_user_tools_are_installed_commands(name):
+    """The user tools the README names are installed next to this Python and answer --help (no MPI started)."""
+    assert name in _console_scripts()
+    exe = Path(sys.executable).parent / name
+    assert exe.exists(), f"{name} is not installed beside {sys.executable}: pip install -e . (make test does)"
+    proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""runtime.from_worker0: how workers take what worker 0 computed (the fusion plan)."""
+"""handoff.from_worker0: how workers take what worker 0 computed (the fusion plan)."""
 
 import re
 from pathlib import Path

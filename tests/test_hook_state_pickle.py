@@ -13,13 +13,13 @@ import pickle, sys
 from imerge_hooks.config import Config
 from imerge_hooks.ddp import IMergeHookState
 from imerge_hooks.errors import IMergeConfigError
-import imerge_hooks.runtime as runtime
+from imerge_hooks import session
 
 state = IMergeHookState.__new__(IMergeHookState)
 state.__dict__["cfg"] = Config(schedule="priority")
 restored = pickle.loads(pickle.dumps(state))
 assert restored.cfg.schedule == "priority" and not restored.attached
-assert not runtime.is_initialized() and "mpi4py.MPI" not in sys.modules, "unpickling started MPI"
+assert not session.is_initialized() and "mpi4py.MPI" not in sys.modules, "unpickling started MPI"
 bad = IMergeHookState.__new__(IMergeHookState)
 bad.__dict__["cfg"] = Config(schedule="imerge")
 try:

@@ -82,3 +82,42 @@ def test_every_module_imports_without_lightning(name):
     imported = {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not {m.split(".")[0] for m in imported} & {"lightning", "pytorch_lightning"}, name
+
+
+LAB = PACKAGE.parent / "benchmarks"
+LAB_MAY_IMPORT = {"imerge_hooks", "imerge_hooks.simulate", "imerge_hooks.timeline_report",
+                  "imerge_hooks.transport_check", "imerge_hooks.internals"}
+
+
+def lab_imports(tree: ast.AST) -> set[str]:
+    """The ``imerge_hooks`` modules a lab file imports (``from imerge_hooks import x`` counts as
+    ``imerge_hooks.x`` where x is a module or package of the library)."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "imerge_hooks":
+                names += [f"imerge_hooks.{alias.name}" for alias in node.names
+                          if (PACKAGE / f"{alias.name}.py").exists() or (PACKAGE / alias.name).is_dir()]
+        found |= {n for n in names if n == "imerge_hooks" or n.startswith("imerge_hooks.")}
+    return found
+
+
+def test_the_lab_uses_the_public_api_and_the_one_seam():
+    """benchmarks/ imports IMerge's internals only through ``imerge_hooks.internals``."""
+    wrong = {}
+    for path in sorted(LAB.rglob("*.py")):
+        bad = sorted(lab_imports(ast.parse(path.read_text())) - LAB_MAY_IMPORT)
+        if bad:
+            wrong[str(path.relative_to(LAB.parent))] = bad
+    assert not wrong, wrong
+
+
+def test_the_lab_check_sees_private_imports():
+    tree = ast.parse("from imerge_hooks import session, Config\nimport imerge_hooks.engine\n"
+                     "from imerge_hooks.plan.choice import choose_plan\nfrom imerge_hooks.internals import MPI\n")
+    assert lab_imports(tree) - LAB_MAY_IMPORT == {"imerge_hooks.session", "imerge_hooks.engine",
+                                                  "imerge_hooks.plan.choice"}

@@ -2,16 +2,16 @@
 
 import pytest
 
-from imerge_hooks import runtime
+from imerge_hooks import key_table
 from imerge_hooks.errors import IMergeConfigError
 from imerge_hooks.wire import KeySpec
 
 
 @pytest.fixture
 def small_tag_space(monkeypatch):
-    monkeypatch.setattr(runtime, "key_capacity", lambda: 10)
-    monkeypatch.setattr(runtime._state, "next_key", 0)
-    monkeypatch.setattr(runtime._state, "tables", {})
+    monkeypatch.setattr(key_table, "key_capacity", lambda: 10)
+    monkeypatch.setattr(key_table.state, "next_key", 0)
+    monkeypatch.setattr(key_table.state, "tables", {})
 
 
 def spec(key: int) -> KeySpec:
@@ -19,17 +19,17 @@ def spec(key: int) -> KeySpec:
 
 
 def test_ids_wrap_and_skip_registered_ones(small_tag_space):
-    assert runtime.allocate_keys(6) == [0, 1, 2, 3, 4, 5]
-    runtime._state.tables[0] = [spec(k) for k in (0, 1, 2, 3, 4, 5)]
-    assert runtime.allocate_keys(4) == [6, 7, 8, 9]
-    runtime._state.tables[0] = [spec(k) for k in (6, 7, 8, 9)]  # the first plan epoch's keys are gone
-    assert runtime.allocate_keys(3) == [0, 1, 2]
+    assert key_table.allocate_keys(6) == [0, 1, 2, 3, 4, 5]
+    key_table.state.tables[0] = [spec(k) for k in (0, 1, 2, 3, 4, 5)]
+    assert key_table.allocate_keys(4) == [6, 7, 8, 9]
+    key_table.state.tables[0] = [spec(k) for k in (6, 7, 8, 9)]  # the first plan epoch's keys are gone
+    assert key_table.allocate_keys(3) == [0, 1, 2]
 
 
 def test_too_many_keys_are_refused_with_the_reason(small_tag_space):
-    runtime._state.tables[0] = [spec(k) for k in range(8)]
+    key_table.state.tables[0] = [spec(k) for k in range(8)]
     with pytest.raises(IMergeConfigError, match="MPI_TAG_UB"):
-        runtime.allocate_keys(3)
+        key_table.allocate_keys(3)
 
 
 def test_capacity_keeps_every_tag_within_the_standard_tag_bound():
@@ -38,5 +38,5 @@ def test_capacity_keeps_every_tag_within_the_standard_tag_bound():
 
     if MPI.Is_initialized():
         pytest.skip("MPI is initialised in this process: the capacity follows its own MPI_TAG_UB")
-    capacity = runtime.key_capacity()  # without MPI: the 32767 every MPI guarantees
+    capacity = key_table.key_capacity()  # without MPI: the 32767 every MPI guarantees
     assert key_tag(capacity - 1, ROUND_TAGS - 1) <= 32767 < key_tag(capacity, 0)

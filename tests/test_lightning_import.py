@@ -33,12 +33,12 @@ report["import"] = {"mpi_started": mpi_started(), "registered": "imerge" in Stra
 """
 
 BUILD = PRELUDE + """
-from imerge_hooks import IMergeConfigError, runtime
+from imerge_hooks import IMergeConfigError, session
 
 by_name = StrategyRegistry.get("imerge")
 direct = lightning_plugin.IMergeStrategy(schedule="wfbp")
 report["build"] = {"by_name": type(by_name).__name__, "direct": type(direct).__name__,
-                   "mpi_started": mpi_started(), "imerge_started": runtime.is_initialized()}
+                   "mpi_started": mpi_started(), "imerge_started": session.is_initialized()}
 
 os.environ["IMERGE_NUM_SERVERS"] = "1"
 try:
@@ -53,10 +53,10 @@ print(json.dumps(report))
 TRAINER = PRELUDE + """
 Trainer = __import__(PACKAGE, fromlist=["Trainer"]).Trainer
 trainer = Trainer(strategy="imerge", accelerator="cpu", devices=1, logger=False)
-from imerge_hooks import runtime
+from imerge_hooks import session
 
 report["trainer"] = {"strategy": type(trainer.strategy).__name__, "global_zero": trainer.is_global_zero,
-                     "imerge_started": runtime.is_initialized()}
+                     "imerge_started": session.is_initialized()}
 print(json.dumps(report))
 """
 

@@ -33,7 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from imerge_hooks.polling import Backoff  # noqa: E402
+from imerge_hooks.internals import Backoff  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .. import polling, runtime
+from .. import collectives, key_table, polling, runtime, session
 from ..group import Group
 from ..layout import CALIBRATION_GRID, calibration_keys
 from ..schedule import SchedulePolicy
@@ -101,16 +101,16 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
 
     ``budget_s``: stop early as :func:`measure_grid` says and extend the table to the whole grid.
     """
-    topo = runtime.topology()
-    comm = runtime.comm_thread()
+    topo = session.topology()
+    comm = session.comm_thread()
     if comm is None:
         raise RuntimeError("IMerge: calibration needs at least one server")
     sizes = sorted(sizes or DEFAULT_GRID)
-    client = runtime.new_client_id()
+    client = session.new_client_id()
     cuts, keys = [], []
     for nbytes in sizes:
         cut = calibration_keys(nbytes, topo.num_servers)
-        ids = runtime.allocate_keys(len(cut))
+        ids = key_table.allocate_keys(len(cut))
         gkeys = [KeySpec(k, (e - s) * 4, "float32", server, (f"calibration.{nbytes}",))
                  for k, (s, e, server) in zip(ids, cut)]
         keys += gkeys
@@ -139,7 +139,7 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
         first = time.perf_counter()
         for _ in range(repeats):
             # Spin while waiting (as MPI's Barrier does), so the workers start their samples together.
-            runtime.collective(topo.worker_comm, "barrier", None, "the calibration barrier",
+            collectives.collective(topo.worker_comm, "barrier", None, "the calibration barrier",
                                spin_s=polling.SPIN_S_DEDICATED)
             begin = time.perf_counter()
             round_trip(index)
@@ -147,17 +147,17 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
         now = time.perf_counter()
         median = statistics.median(samples)
         mine = (median, now - start, max(0.0, (now - first) / repeats - median))
-        rows = runtime.collective(topo.worker_comm, "allgather", mine,
+        rows = collectives.collective(topo.worker_comm, "allgather", mine,
                                   f"the calibration times of {sizes[index]} bytes")
         return max(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows)
 
-    runtime.register_keys(client, keys)
+    key_table.register_keys(client, keys)
     try:
         for index in range(max(1, len(sizes) // 2)):  # warm up connections and buffers once
             round_trip(index)
         times = measure_grid(sizes, sample, budget_s)
     finally:
-        runtime.register_keys(client, [])
+        key_table.register_keys(client, [])
         groups.clear()
     return PSModel.fit(topo.num_workers, topo.num_servers, sizes, extend_table(sizes[:len(times)], times, sizes),
                        hosts=topo.worker_hosts, measured=len(times))
@@ -177,7 +177,7 @@ def cluster_fingerprint() -> dict[str, Any]:
     from .. import __version__
     from .._mpi import MPI
 
-    topo = runtime.topology()
+    topo = session.topology()
     return {"workers": topo.num_workers, "servers": topo.num_servers, "hosts": list(topo.hosts),
             "aggregate": bool(topo.aggregate_in_host), "mpi": MPI.Get_library_version().strip().splitlines()[0],
             "transport": {k: v for k, v in sorted(os.environ.items()) if k.startswith(TRANSPORT_ENV)},
@@ -211,8 +211,8 @@ def cache_problem(model: PSModel, fingerprint: dict[str, Any], now: float) -> st
 def load_or_calibrate() -> PSModel:
     """The cached PS model for this cluster (``cluster_fingerprint``), measuring and caching it if
     there is none, or if the cached one fails :func:`cache_problem` (one log line says why)."""
-    cfg = runtime.config()
-    topo = runtime.topology()
+    cfg = session.config()
+    topo = session.topology()
     cached = path = fingerprint = None
     if topo.worker_rank == 0:
         fingerprint = cluster_fingerprint()
@@ -228,7 +228,7 @@ def load_or_calibrate() -> PSModel:
                     cached = model.to_dict()
                 else:
                     log.warning("IMerge: not using the cached cost model %s: %s; calibrating again", path, problem)
-    cached, path = runtime.collective(topo.worker_comm, "bcast", (cached, path), "worker 0's cached PS cost model")
+    cached, path = collectives.collective(topo.worker_comm, "bcast", (cached, path), "worker 0's cached PS cost model")
     if cached is not None:
         return PSModel.from_dict(cached)
     if not cfg.calibrate:
@@ -266,10 +266,10 @@ def main() -> None:
     runtime.init()
     start = time.perf_counter()
     model = measure([m for m in DEFAULT_GRID if m <= args.max_bytes], budget_s=args.budget_s)
-    if runtime.topology().worker_rank == 0:
+    if session.topology().worker_rank == 0:
         fingerprint = cluster_fingerprint()
         model.cluster, model.created = fingerprint, time.time()
-        path = args.out or cache_path(runtime.config().cost_model_path, fingerprint)
+        path = args.out or cache_path(session.config().cost_model_path, fingerprint)
         model.to_json(path)
         print(format_table(model))
         print(f"{model.describe()}  ({time.perf_counter() - start:.1f} s) -> {path}", flush=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import runtime, streams
+from .. import handoff, session, streams
 from ..schedule import tail_group
 from .background import BackgroundSearch
 from .cache import load_plan, plan_key, plan_path, store_plan
@@ -79,7 +79,7 @@ class Replanner:
         decision = None
         if topo.worker_rank == 0:
             decision = self._cached_or_chosen()
-        self.order, result, tail, self.pending = runtime.from_worker0(decision, f"the {self.method} plan")
+        self.order, result, tail, self.pending = handoff.from_worker0(decision, f"the {self.method} plan")
         self._install(result, tail)
 
     def _install(self, result: Plan, tail: int | None) -> None:
@@ -103,7 +103,7 @@ class Replanner:
             table = list(zip(profile.names, profile.sizes, profile.dtypes, engine.trainable))
             key = plan_key(table, cfg, topo.num_workers, topo.num_servers, topo.host_indices,
                            topo.aggregate_in_host, self.model)
-            self.cache_entry = (plan_path(runtime.config().cost_model_path, key), key)
+            self.cache_entry = (plan_path(session.config().cost_model_path, key), key)
             kept = load_plan(*self.cache_entry)
             if kept is not None:
                 log.info("IMerge: %s plan from the plan cache %s (no search)", self.method, self.cache_entry[0])
@@ -177,7 +177,7 @@ class Replanner:
                 if searched is not None:
                     state = ("plan", searched, self._kept(self.order, searched))
                     log.info("IMerge: the background plan search took %.1f s", self.background.seconds)
-        state = runtime.from_worker0(state, "the background plan search's state")
+        state = handoff.from_worker0(state, "the background plan search's state")
         if state[0] == "plan":
             self.pending = False
             self._install(state[1], state[2])

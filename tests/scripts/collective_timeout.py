@@ -1,4 +1,4 @@
-"""runtime.collective: the object collectives with a deadline that every IMerge-internal
+"""collectives.collective: the object collectives with a deadline that every IMerge-internal
 collective uses.
 
 The workers run each collective once and print the results; then worker 0 broadcasts an
@@ -11,17 +11,17 @@ from __future__ import annotations
 from common import say
 
 import imerge_hooks
-from imerge_hooks import runtime
+from imerge_hooks import collectives, session
 from imerge_hooks.errors import IMergeTimeoutError
 
 imerge_hooks.init(timeout_s=3.0)
-topo = runtime.topology()
+topo = session.topology()
 comm, me = topo.worker_comm, topo.worker_rank
-say(me, "ALLGATHER", runtime.collective(comm, "allgather", me * 10, "test values"))
-say(me, "BCAST", runtime.collective(comm, "bcast", f"from {me}", "a test value", root=1))
-say(me, "GATHER", runtime.collective(comm, "gather", {"rank": me}, "test values"))
-say(me, "MAX", runtime.collective(comm, "max", 5 - me, "test values"))
-say(me, "BARRIER", runtime.collective(comm, "barrier", None, "a test barrier"))
+say(me, "ALLGATHER", collectives.collective(comm, "allgather", me * 10, "test values"))
+say(me, "BCAST", collectives.collective(comm, "bcast", f"from {me}", "a test value", root=1))
+say(me, "GATHER", collectives.collective(comm, "gather", {"rank": me}, "test values"))
+say(me, "MAX", collectives.collective(comm, "max", 5 - me, "test values"))
+say(me, "BARRIER", collectives.collective(comm, "barrier", None, "a test barrier"))
 if me == 0:
     try:
         imerge_hooks.broadcast_object({"big": list(range(10_000))})

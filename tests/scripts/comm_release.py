@@ -15,19 +15,19 @@ import torch
 from common import say
 
 import imerge_hooks
-from imerge_hooks import runtime
+from imerge_hooks import key_table, session
 from imerge_hooks.group import Group
 from imerge_hooks.schedule import SchedulePolicy
 from imerge_hooks.wire import KeySpec
 
 imerge_hooks.init()
-topo = runtime.topology()
-comm = runtime.comm_thread()
-client = runtime.new_client_id()
+topo = session.topology()
+comm = session.comm_thread()
+client = session.new_client_id()
 numel = 1 << 16
 keys = [KeySpec(k, numel * 4, "float32", i % topo.num_servers, (f"t{i}",))
-        for i, k in enumerate(runtime.allocate_keys(2))]
-runtime.register_keys(client, keys)
+        for i, k in enumerate(key_table.allocate_keys(2))]
+key_table.register_keys(client, keys)
 group = Group(index=0, flat=torch.full((2 * numel,), float(topo.worker_rank + 1)), result=torch.empty(2 * numel),
               keys=keys, key_ranges=[(0, numel), (numel, 2 * numel)], priority=0, names=("t0", "t1"))
 for policy in (SchedulePolicy(), SchedulePolicy(priority=True, credit_bytes=1 << 16)):
@@ -40,4 +40,4 @@ del group
 time.sleep(1.5)  # the thread goes idle: it waits for the next group
 gc.collect()
 say(topo.worker_rank, "RESULT", ok, "ALIVE", alive() is not None)
-runtime.register_keys(client, [])
+key_table.register_keys(client, [])

@@ -26,13 +26,13 @@ from common import say
 from torch import nn
 
 import imerge_hooks as hvd
-from imerge_hooks import collectives, runtime
+from imerge_hooks import collectives, session
 from imerge_hooks.errors import IMergeConfigError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 
 try:
     hvd.init()
 except SystemExit:  # what a test runner does (unittest catches SystemExit): a server must never get here
-    say(runtime.topology().world_rank, "SERVER WENT ON")
+    say(session.topology().world_rank, "SERVER WENT ON")
     raise
 R, W = hvd.rank(), hvd.size()
 CHECKS = []
@@ -769,7 +769,7 @@ def single_process_job():
     """One process, no servers: every op returns the local value (averaging over one worker)."""
     if W > 1:
         return
-    assert runtime.topology().num_servers == 0 and runtime.comm_thread() is None
+    assert session.topology().num_servers == 0 and session.comm_thread() is None
     x = inp(19, 0, (4, 2))
     for got in (hvd.allreduce(x), hvd.allreduce(x, op=hvd.Sum), hvd.allgather(x), hvd.broadcast(x, 0),
                 hvd.alltoall(x), hvd.reducescatter(x), hvd.grouped_allreduce([x])[0]):
@@ -787,7 +787,7 @@ def main() -> None:
             raise
         say(R, "PASS", fn.__name__, f"{time.monotonic() - start:.2f}s")
     hvd.barrier()
-    say(R, "ALL OK", W, runtime.topology().num_servers)
+    say(R, "ALL OK", W, session.topology().num_servers)
     if "--lonely" in sys.argv:
         lonely()
     if "--uncaught-mismatch" in sys.argv:

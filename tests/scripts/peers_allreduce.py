@@ -16,14 +16,14 @@ import common  # noqa: E402
 
 import imerge_hooks as imh  # noqa: E402
 from benchmarks.peers import FusedAllreduce  # noqa: E402
-from imerge_hooks import runtime  # noqa: E402
+from imerge_hooks import session  # noqa: E402
 
 STEPS = 4
 
 
 def main() -> None:
     imh.init()  # the server rank serves here and exits: the peer does not use it
-    topo = runtime.topology()
+    topo = session.topology()
     model = common.make_model()
     opt = FusedAllreduce(common.make_optimizer("sgd", model.parameters()), list(model.parameters()),
                          topo.worker_comm, fusion_bytes=int(sys.argv[2]))

@@ -16,18 +16,18 @@ import torch
 from common import say
 
 import imerge_hooks
-from imerge_hooks import runtime
+from imerge_hooks import key_table, session
 from imerge_hooks.wire import KeySpec, as_mpi_buffer, key_tag
 
 imerge_hooks.init()
-topo = runtime.topology()
+topo = session.topology()
 comm = topo.data_comm
 me = topo.worker_rank
 server = topo.server_world_rank(0)
 numel = 1 << 20  # 4 MiB: far above any eager limit
-k_key, j_key = runtime.allocate_keys(2)
-client = runtime.new_client_id()
-runtime.register_keys(client, [KeySpec(k_key, numel * 4, "float32", 0, ("k",)),
+k_key, j_key = key_table.allocate_keys(2)
+client = session.new_client_id()
+key_table.register_keys(client, [KeySpec(k_key, numel * 4, "float32", 0, ("k",)),
                                KeySpec(j_key, 1024 * 4, "float32", 0, ("j",))])
 
 
@@ -83,5 +83,5 @@ wait(send_k2, "K round 2 push")
 wait(k_recv_2, "K round 2 result")
 assert torch.all(k_out_2 == 15.0), k_out_2[:4]
 say(me, "OK")
-runtime.register_keys(client, [])
+key_table.register_keys(client, [])
 imerge_hooks.shutdown()

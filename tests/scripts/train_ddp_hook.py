@@ -28,7 +28,7 @@ args = parser.parse_args()
 
 imh.init()
 rank, world = imh.rank(), imh.size()
-say(rank, "AGGREGATE", imh.runtime.topology().aggregate_in_host, imh.runtime.topology().host)
+say(rank, "AGGREGATE", imh.session.topology().aggregate_in_host, imh.session.topology().host)
 
 
 def train(schedule: str, out: str) -> None:

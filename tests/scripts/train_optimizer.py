@@ -35,7 +35,7 @@ args = parser.parse_args()
 
 imh.init()
 rank, world = imh.rank(), imh.size()
-say(rank, "AGGREGATE", imh.runtime.topology().aggregate_in_host, imh.runtime.topology().host)
+say(rank, "AGGREGATE", imh.session.topology().aggregate_in_host, imh.session.topology().host)
 
 
 def run(schedule: str, opt_name: str, out: str) -> None:

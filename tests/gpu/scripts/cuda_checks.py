@@ -41,11 +41,11 @@ rank, world = imh.rank(), imh.size()
 device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 FULL_BATCH = 8 * world
 if args.device == "cuda":
-    assert torch.cuda.current_device() == imh.runtime.topology().local_rank % torch.cuda.device_count()
+    assert torch.cuda.current_device() == imh.session.topology().local_rank % torch.cuda.device_count()
 
 
 def say(*parts: object) -> None:
-    print(f"@{imh.runtime.topology().world_rank}", *parts, flush=True)
+    print(f"@{imh.session.topology().world_rank}", *parts, flush=True)
 
 
 class SlowGradient(torch.autograd.Function):
