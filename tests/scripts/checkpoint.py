@@ -21,7 +21,7 @@ rank, world = imh.rank(), imh.size()
 model = make_model()
 opt = imh.DistributedOptimizer(make_optimizer("adam", model.parameters()), named_parameters=model.named_parameters(),
                                schedule=schedule, profile_steps=2)
-sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)  # as common.reference_train
 if ckpt_in is not None:
     state = torch.load(ckpt_in) if rank == 0 else None
     state = imh.broadcast_object(state, root_rank=0)

@@ -3,7 +3,8 @@
 Usage: python train_optimizer.py OUT --schedule wfbp[,default,...] --optimizer sgd[,adam,...] [--steps 5]
        [--unused] [--passes 2] [--ddp] [--scheduler] [--state-at K] [--compression fp16] [--until-planned]
 Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches; the schedule
-``ddp`` is torch DDP over gloo, as --ddp);
+``ddp`` is torch DDP over gloo, as --ddp). A schedule may carry its own variant: ``wfbp+unused``
+(as --unused) or ``wfbp+passes2`` (as --passes 2) for that run only;
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
 that path + ".mid". --until-planned: after --steps, go on stepping (a little slower) while a
@@ -38,8 +39,13 @@ rank, world = imh.rank(), imh.size()
 say(rank, "AGGREGATE", imh.session.topology().aggregate_in_host, imh.session.topology().host)
 
 
-def run(schedule: str, opt_name: str, out: str) -> None:
-    model = make_model(args.unused)
+def run(spec: str, opt_name: str, out: str) -> None:
+    schedule, _, variant = spec.partition("+")
+    unused = args.unused or variant == "unused"
+    passes = int(variant[len("passes"):]) if variant.startswith("passes") else args.passes
+    if variant and not (variant == "unused" or variant.startswith("passes")):
+        raise SystemExit(f"unknown variant {variant!r} of {spec!r}")
+    model = make_model(unused)
     ddp = args.ddp or schedule == "ddp"
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group())
@@ -48,7 +54,7 @@ def run(schedule: str, opt_name: str, out: str) -> None:
         net = model
         opt = imh.DistributedOptimizer(make_optimizer(opt_name, model.parameters()),
                                        named_parameters=model.named_parameters(), schedule=schedule,
-                                       backward_passes_per_step=args.passes, profile_steps=args.profile_steps,
+                                       backward_passes_per_step=passes, profile_steps=args.profile_steps,
                                        compression=args.compression)
         imh.broadcast_parameters(model.state_dict(), root_rank=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
@@ -61,8 +67,8 @@ def run(schedule: str, opt_name: str, out: str) -> None:
         opt.zero_grad()
         x, y = batch(step)
         x, y = shard(x, rank, world), shard(y, rank, world)
-        for p in range(args.passes):
-            loss = loss_fn(net, shard(x, p, args.passes), shard(y, p, args.passes)).div(args.passes)
+        for p in range(passes):
+            loss = loss_fn(net, shard(x, p, passes), shard(y, p, passes)).div(passes)
             loss.backward()
         opt.step()
         if sched:
@@ -77,7 +83,7 @@ def run(schedule: str, opt_name: str, out: str) -> None:
     if not ddp:
         say(rank, "KEYBYTES", *key_bytes(opt._imerge_engine))
     say(rank, "STEPS", step)
-    say(rank, "done", schedule, opt_name)
+    say(rank, "done", spec, opt_name)
 
 
 pairs = [(s, o) for s in args.schedule.split(",") for o in args.optimizer.split(",")]
