@@ -16,12 +16,6 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def train(tmp_path, name, workers, servers, *args):
-    out = tmp_path / f"{name}.pt"
-    run_mpi(SCRIPT, workers + servers, str(out), *args, servers=servers, timeout=120).check()
-    return torch.load(out)
-
-
 @pytest.mark.parametrize("workers,servers", [(2, 1)])  # 2 servers: the planned fusion test below
 def test_hook_matches_ddp_allreduce(tmp_path, workers, servers):
     out = tmp_path / "{schedule}.pt"
@@ -32,30 +26,35 @@ def test_hook_matches_ddp_allreduce(tmp_path, workers, servers):
     assert max_diff(ours, reference_train("sgd", 5)) <= TOL
 
 
-def test_hook_with_no_sync_accumulation_and_priority(tmp_path):
-    ours = train(tmp_path, "hook", 2, 2, "--hook", "--accumulate", "2", "--schedule", "priority")
-    assert max_diff(ours, reference_train("sgd", 5)) <= TOL
-
-
-def test_planned_fusion_of_ddp_buckets(tmp_path):
-    """After profiling, adjacent DDP buckets are merged by the planner (a plan epoch change); both
-    planned kinds in one launch, each training a fresh model."""
-    out = tmp_path / "hook-{schedule}.pt"
+@pytest.fixture(scope="module")
+def two_workers_two_servers(tmp_path_factory):
+    """One job of 2 workers + 2 servers, a fresh model per run: both planned kinds (after profiling,
+    adjacent DDP buckets are merged: a plan epoch change), then priority with no_sync() accumulation."""
+    tmp = tmp_path_factory.mktemp("two-two")
+    out = tmp / "hook-{schedule}.pt"
     env = {"IMERGE_PROFILE_STEPS": "3", "IMERGE_FUSION_THRESHOLD_BYTES": "10000000", "IMERGE_LOG_LEVEL": "INFO",
-           "IMERGE_COST_MODEL_PATH": str(tmp_path / "ps-{workers}w-{servers}s-{hosts}.json")}
-    schedules = ("threshold", "adaptive-ps")
-    run = run_mpi(SCRIPT, 4, str(out), "--hook", "--schedule", ",".join(schedules), "--steps", "7", servers=2,
-                  env=env, timeout=200).check()
+           "IMERGE_COST_MODEL_PATH": str(tmp / "ps-{workers}w-{servers}s-{hosts}.json")}
+    runs = ("threshold", "adaptive-ps", "priority+accumulate2")
+    run = run_mpi(SCRIPT, 4, str(out), "--hook", "--schedule", ",".join(runs), "--steps", "7", servers=2,
+                  env=env, timeout=240).check()
+    return run, {r: torch.load(str(out).format(schedule=r)) for r in runs}
+
+
+def test_hook_with_no_sync_accumulation_and_priority(two_workers_two_servers):
+    _, params = two_workers_two_servers
+    assert max_diff(params["priority+accumulate2"], reference_train("sgd", 7)) <= TOL
+
+
+def test_planned_fusion_of_ddp_buckets(two_workers_two_servers):
+    run, params = two_workers_two_servers
     for method in ("threshold", "optimal"):
         assert f"IMerge: {method} plan with " in run.stderr and " installed as plan epoch " in run.stderr, method
     layouts = [line.split() for line in run.lines(0, "GROUPS")]
-    assert len(layouts) == 2
+    assert len(layouts) == 3
     groups, _, buckets = layouts[0]  # threshold above the model's bytes: every bucket in one group
     assert int(groups) == 1 < int(buckets)
-    for schedule in schedules:
-        assert max_diff(torch.load(str(out).format(schedule=schedule)), reference_train("sgd", 7)) <= TOL, schedule
-
-
+    for schedule in ("threshold", "adaptive-ps"):
+        assert max_diff(params[schedule], reference_train("sgd", 7)) <= TOL, schedule
 def test_hook_refuses_torch_distributed_over_every_rank(tmp_path):
     """DDP initialised over all ranks, then IMerge started: the last rank would become a server and
     the workers would hang in DDP's collectives; every rank is told at once instead."""

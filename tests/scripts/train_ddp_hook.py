@@ -4,6 +4,7 @@ Usage: python train_ddp_hook.py OUT [--hook] [--schedule wfbp[,imerge,...]] [--a
 
 With several schedules, each trains a fresh model in turn and OUT names its file with ``{schedule}``;
 the schedule ``allreduce`` trains with DDP's own all-reduce (no hook), the reference in the same launch.
+A schedule may carry its own number of micro-batches: ``priority+accumulate2`` (as --accumulate 2).
 """
 
 import argparse
@@ -31,7 +32,11 @@ rank, world = imh.rank(), imh.size()
 say(rank, "AGGREGATE", imh.session.topology().aggregate_in_host, imh.session.topology().host)
 
 
-def train(schedule: str, out: str) -> None:
+def train(spec: str, out: str) -> None:
+    schedule, _, variant = spec.partition("+")
+    if variant and not variant.startswith("accumulate"):
+        raise SystemExit(f"unknown variant {variant!r} of {spec!r}")
+    accumulate = int(variant[len("accumulate"):]) if variant else args.accumulate
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
                                                     bucket_cap_mb=args.bucket_cap_mb)
@@ -52,12 +57,11 @@ def train(schedule: str, out: str) -> None:
         opt.zero_grad()
         x, y = batch(step)
         x, y = shard(x, rank, world), shard(y, rank, world)
-        for micro in range(args.accumulate):
-            last = micro == args.accumulate - 1
+        for micro in range(accumulate):
+            last = micro == accumulate - 1
             ctx = contextlib.nullcontext() if last else ddp.no_sync()
             with ctx:
-                loss_fn(ddp, shard(x, micro, args.accumulate), shard(y, micro, args.accumulate)) \
-                    .div(args.accumulate).backward()
+                loss_fn(ddp, shard(x, micro, accumulate), shard(y, micro, accumulate)).div(accumulate).backward()
         opt.step()
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
