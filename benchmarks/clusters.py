@@ -48,8 +48,8 @@ if str(REPO) not in sys.path:
 from benchmarks.netlab import netlab as nl  # noqa: E402
 from benchmarks.netlab.cpumon import CpuMonitor  # noqa: E402
 from benchmarks.netlab.linkmon import LinkMonitor  # noqa: E402
-from benchmarks.run import load_profile, tagged_json  # noqa: E402
-from imerge_hooks.layout import link_bytes  # noqa: E402
+from benchmarks.runner.grid import load_profile, tagged_json  # noqa: E402
+from imerge_hooks.internals import link_bytes  # noqa: E402
 
 WORKER = REPO / "benchmarks" / "worker_replay.py"
 RESULTS = REPO / "benchmarks" / "results"
@@ -199,7 +199,7 @@ SIM_STARTUP_S = 200e-6  # the servers' per-push work (run.py's fallback when no 
 def simulate_row(row: dict) -> float:
     """Seconds per iteration that the simulator predicts for one measured row."""
     from benchmarks.allreduce_model import simulate_allreduce
-    from benchmarks.run import PROFILES
+    from benchmarks.runner.grid import PROFILES
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
 
     cell = CELLS[row["cell"]]

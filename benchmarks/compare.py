@@ -64,7 +64,7 @@ def table(rows: dict, kind: str) -> str:
 def simulated_efficiency(doc: dict, rows: dict) -> None:
     """Simulated runs carry no bound: compute it as run.py does for measured ones."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmarks.run import model_facts, physical_bound, servers_for
+    from benchmarks.runner.grid import model_facts, physical_bound, servers_for
 
     config = doc.get("config", {})
     ts = config.get("time_scale", 1.0)

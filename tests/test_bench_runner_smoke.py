@@ -129,7 +129,7 @@ def test_share_model_per_transfer_class():
     from types import SimpleNamespace
 
     sys.path.insert(0, str(REPO))
-    from benchmarks.run import measured_shares, transfer_class
+    from benchmarks.runner.emulator_check import measured_shares, transfer_class
 
     assert transfer_class("imerge") == transfer_class("priority") == "partitioned"
     assert {transfer_class(s) for s in ("default", "wfbp", "threshold", "mgwfbp", "adaptive-ps")} == {"whole"}
@@ -161,7 +161,7 @@ CALIBRATION = {"2": {"a_s": 2e-3, "bandwidth_Bps_per_server": 7e7, "startup_per_
 def test_stored_calibration_stands_in_for_a_missing_cache():
     """A JSON's own ``calibration`` gives back the PS models it was made with (a fresh clone has no cache)."""
     sys.path.insert(0, str(REPO))
-    from benchmarks.run import stored_psmodels
+    from benchmarks.runner.predict import stored_psmodels
 
     got = stored_psmodels({**CALIBRATION, "8": {"table": None}}, lambda workers: 2)
     assert set(got) == {2}  # an unreadable entry is skipped
@@ -198,7 +198,7 @@ def test_validation_simulates_the_installed_plan():
     """A run that reports the plan its engine installed is validated with that plan; older runs
     fall back to the engine's search re-derived on the calibrated model, or the schedule's own."""
     sys.path.insert(0, str(REPO))
-    from benchmarks.run import simulate_one, validation_plan
+    from benchmarks.runner.predict import simulate_one, validation_plan
     from imerge_hooks.simulate import ModelSpec
 
     installed = {"groups": [list(range(15, 16)), list(range(0, 15))], "partition_bytes": 1 << 20}
