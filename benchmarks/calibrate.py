@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
+from benchmarks.jobs import run_job  # noqa: E402
 from benchmarks.machine import machine_info, mpiexec_path  # noqa: E402
 
 DEFAULT_OUT_DIR = REPO / "benchmarks" / "results"
@@ -96,7 +95,6 @@ def human_time(us: float) -> str:
     return f"{us:g} us"
 
 
-# ---------------------------------------------------------------------- machine info
 # ---------------------------------------------------------------------- one (W, S) run
 def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: str,
             budget_s: float | None = None) -> dict:
@@ -107,20 +105,11 @@ def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: 
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     cmd = [mpiexec_path(), "-n", str(workers + servers), sys.executable, "-m", "imerge_hooks.plan.calibrate",
            "--out", out, "--max-bytes", str(max_bytes)] + ([] if budget_s is None else ["--budget-s", str(budget_s)])
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(REPO), preexec_fn=os.setsid)
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank: setsid made it a process group leader
-        stdout, stderr = proc.communicate()
-    wall = time.perf_counter() - start
-    result = {"workers": workers, "servers": servers, "cmd": " ".join(cmd), "wall_s": wall,
-              "returncode": proc.returncode, "timed_out": timed_out, "stdout": stdout, "stderr": stderr,
-              "model": None, "model_error": None}
+    job = run_job(cmd, env, timeout)
+    timed_out = job["timed_out"]
+    result = {"workers": workers, "servers": servers, "cmd": " ".join(cmd), "wall_s": job["wall_s"],
+              "returncode": job["returncode"], "timed_out": timed_out, "stdout": job["stdout"],
+              "stderr": job["stderr"], "model": None, "model_error": None}
     if os.path.exists(out):
         from imerge_hooks.internals import PSModel
 
@@ -128,13 +117,13 @@ def run_one(workers: int, servers: int, max_bytes: int, timeout: float, tmpdir: 
             result["model"] = PSModel.from_json(out)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             result["model_error"] = f"unreadable model JSON {out}: {exc}"
-    clean_exit = not timed_out and proc.returncode == 0
+    clean_exit = not timed_out and job["returncode"] == 0
     result["ok"] = clean_exit and result["model"] is not None
     if result["ok"]:
         result["reason"] = None
     else:
         why = (f"timed out after {timeout:.0f} s" if timed_out else
-               f"exit code {proc.returncode}" if proc.returncode != 0 else "exit code 0")
+               f"exit code {job['returncode']}" if job["returncode"] != 0 else "exit code 0")
         if result["model"] is not None:
             why += " after the model was written (rows kept; the failure is in the exit path)"
         else:

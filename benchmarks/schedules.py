@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
+from benchmarks.calibrate import parse_counts  # noqa: E402
+from benchmarks.jobs import run_job as launch  # noqa: E402
 from benchmarks.machine import loadavg, machine_info, mpiexec_path  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "resnet_synthetic.py"
@@ -66,16 +67,6 @@ COST_MODEL_TEMPLATE = "schedules-psmodel-{workers}w-{servers}s-{hosts}.json"
 
 
 # ---------------------------------------------------------------------- arguments
-def parse_counts(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return sorted(set(values))
-
-
 def parse_schedules(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     if names == ["all"]:
@@ -139,26 +130,6 @@ def run_env(servers: int, cache_dir: Path, timeout: float) -> dict[str, str]:
     env.pop("IMERGE_SCHEDULE", None)  # the example passes --schedule; nothing else should decide it
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
-
-
-def launch(cmd: list[str], env: dict[str, str], timeout: float) -> dict:
-    """Run one mpiexec job as its own process group (setsid); kill the whole job on timeout."""
-    start = time.perf_counter()
-    load = loadavg()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(REPO), preexec_fn=os.setsid)
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank
-        except ProcessLookupError:
-            pass
-        stdout, stderr = proc.communicate()
-    return {"cmd": shlex.join(cmd), "returncode": proc.returncode, "timed_out": timed_out,
-            "wall_s": time.perf_counter() - start, "loadavg_before": load, "stdout": stdout, "stderr": stderr}
 
 
 # ---------------------------------------------------------------------- calibration (once per S)

@@ -13,3 +13,48 @@ from mpirun import cost_model_cache  # noqa: E402
 def cost_model_dir() -> Path:
     """One PS cost-model cache for every test of this pytest process (calibration runs once per W, S)."""
     return cost_model_cache()
+
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+class Job:
+    """One launch's output and worker 0's saved parameters per run (``{schedule}`` in the file name)."""
+
+    def __init__(self, run, params: dict) -> None:
+        self.run, self.params = run, params
+
+    def key_bytes(self, spec: str) -> tuple[int, int]:
+        """(bytes on the wire, bytes at the model's precision) of run ``spec``'s keys (worker 0)."""
+        for line in self.run.lines(0, "KEYBYTES"):
+            name, squeezed, full = line.split()
+            if name == spec:
+                return int(squeezed), int(full)
+        raise AssertionError(f"no KEYBYTES line for {spec}\n{self.run.stdout[-3000:]}")
+
+
+def _job(tmp: Path, script: str, runs: tuple[str, ...], *args: str, timeout: float = 300) -> Job:
+    import torch
+    from mpirun import run_mpi
+
+    out = tmp / "{schedule}.pt"
+    run = run_mpi(SCRIPTS / script, 3, str(out), "--schedule", ",".join(runs), *args, servers=1,
+                  timeout=timeout).check()
+    return Job(run, {r: torch.load(str(out).format(schedule=r)) for r in runs})
+
+
+@pytest.fixture(scope="session")
+def optimizer_job(tmp_path_factory) -> Job:
+    """2 workers + 1 server, DistributedOptimizer (SGD, 5 steps), a fresh model per run in one launch:
+    torch DDP (gloo, the reference), wfbp, wfbp with an unused layer, with two backward passes per
+    step, and with bf16 on the wire (read by several test files)."""
+    runs = ("ddp", "wfbp", "wfbp+unused", "wfbp+passes2", "wfbp+bf16")
+    return _job(tmp_path_factory.mktemp("optimizer-job"), "train_optimizer.py", runs, "--optimizer", "sgd")
+
+
+@pytest.fixture(scope="session")
+def hook_job(tmp_path_factory) -> Job:
+    """2 workers + 1 server, DDP with imerge_hooks.ps_hook (SGD, 5 steps), a fresh model per run in one
+    launch: DDP's own all-reduce (the reference), wfbp, and wfbp with fp16 on the wire."""
+    runs = ("allreduce", "wfbp", "wfbp+fp16")
+    return _job(tmp_path_factory.mktemp("hook-job"), "train_ddp_hook.py", runs, "--hook")

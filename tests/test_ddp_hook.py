@@ -16,12 +16,9 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("workers,servers", [(2, 1)])  # 2 servers: the planned fusion test below
-def test_hook_matches_ddp_allreduce(tmp_path, workers, servers):
-    out = tmp_path / "{schedule}.pt"
-    run_mpi(SCRIPT, workers + servers, str(out), "--hook", "--schedule", "allreduce,wfbp", servers=servers,
-            timeout=150).check()
-    ref, ours = (torch.load(str(out).format(schedule=s)) for s in ("allreduce", "wfbp"))
+def test_hook_matches_ddp_allreduce(hook_job):
+    """2 workers + 1 server (2 servers: the planned fusion test below)."""
+    ref, ours = hook_job.params["allreduce"], hook_job.params["wfbp"]
     assert max_diff(ours, ref) <= TOL
     assert max_diff(ours, reference_train("sgd", 5)) <= TOL
 

@@ -38,32 +38,22 @@ def test_single_process_without_servers(tmp_path):
     assert max_diff(got, reference_train("adam", 5)) <= TOL
 
 
-@pytest.fixture(scope="module")
-def two_workers_one_server(tmp_path_factory) -> dict:
-    """One job of 2 workers + 1 server, four runs in turn: torch DDP (gloo), wfbp, wfbp with an
-    unused layer, wfbp with two backward passes per step (each checked by a test below)."""
-    out = tmp_path_factory.mktemp("two-one") / "{schedule}-{optimizer}.pt"
-    runs = ("ddp", "wfbp", "wfbp+unused", "wfbp+passes2")
-    run_mpi(SCRIPT, 3, str(out), "--schedule", ",".join(runs), "--optimizer", "sgd", servers=1, timeout=240).check()
-    return {r: torch.load(str(out).format(schedule=r, optimizer="sgd")) for r in runs}
-
-
-def test_matches_torch_ddp(two_workers_one_server):
-    ddp, ours = two_workers_one_server["ddp"], two_workers_one_server["wfbp"]
+def test_matches_torch_ddp(optimizer_job):
+    ddp, ours = optimizer_job.params["ddp"], optimizer_job.params["wfbp"]
     assert max_diff(ddp, ours) <= TOL
     assert max_diff(ddp, reference_train("sgd", 5)) <= TOL
 
 
-def test_unused_parameter(two_workers_one_server):
-    got = two_workers_one_server["wfbp+unused"]
+def test_unused_parameter(optimizer_job):
+    got = optimizer_job.params["wfbp+unused"]
     ref = reference_train("sgd", 5, unused=True)
     assert max_diff(got, ref) <= TOL
     # The unused layer never moved (weight decay would have moved it had it been stepped).
     assert torch.equal(got["spare.weight"], reference_train("sgd", 0, unused=True)["spare.weight"])
 
 
-def test_backward_passes_per_step(two_workers_one_server):
-    got = two_workers_one_server["wfbp+passes2"]
+def test_backward_passes_per_step(optimizer_job):
+    got = optimizer_job.params["wfbp+passes2"]
     assert max_diff(got, reference_train("sgd", 5, passes=1)) <= TOL
 
 

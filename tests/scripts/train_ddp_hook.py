@@ -4,7 +4,8 @@ Usage: python train_ddp_hook.py OUT [--hook] [--schedule wfbp[,imerge,...]] [--a
 
 With several schedules, each trains a fresh model in turn and OUT names its file with ``{schedule}``;
 the schedule ``allreduce`` trains with DDP's own all-reduce (no hook), the reference in the same launch.
-A schedule may carry its own number of micro-batches: ``priority+accumulate2`` (as --accumulate 2).
+A schedule may carry its own variant: ``priority+accumulate2`` (as --accumulate 2) or
+``wfbp+fp16`` (as --compression fp16).
 """
 
 import argparse
@@ -34,16 +35,17 @@ say(rank, "AGGREGATE", imh.session.topology().aggregate_in_host, imh.session.top
 
 def train(spec: str, out: str) -> None:
     schedule, _, variant = spec.partition("+")
-    if variant and not variant.startswith("accumulate"):
+    if variant and not (variant.startswith("accumulate") or variant in ("fp16", "bf16")):
         raise SystemExit(f"unknown variant {variant!r} of {spec!r}")
-    accumulate = int(variant[len("accumulate"):]) if variant else args.accumulate
+    accumulate = int(variant[len("accumulate"):]) if variant.startswith("accumulate") else args.accumulate
+    compression = variant if variant in ("fp16", "bf16") else args.compression
     model = make_model()
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
                                                     bucket_cap_mb=args.bucket_cap_mb)
     state = None
     if args.hook and schedule != "allreduce":  # "allreduce": DDP's own all-reduce, the reference
         state = imh.IMergeHookState(schedule=schedule, named_parameters=model.named_parameters(),
-                                    compression=args.compression)
+                                    compression=compression)
         # A hook state goes into checkpoints and copies, as PowerSGD's does.
         copied = pickle.loads(pickle.dumps(copy.deepcopy(state)))
         assert copied.cfg == state.cfg and copied.comm is state.comm
@@ -66,7 +68,7 @@ def train(spec: str, out: str) -> None:
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
     if state is not None:
-        say(rank, "KEYBYTES", *key_bytes(state.engine))
+        say(rank, "KEYBYTES", spec, *key_bytes(state.engine))
         say(rank, "GROUPS", len(state.engine.groups), "BUCKETS", len(state.signature))
         if state.engine is not None:  # retire its keys before the next schedule registers its own
             state.engine.close()

@@ -4,7 +4,7 @@ Usage: python train_optimizer.py OUT --schedule wfbp[,default,...] --optimizer s
        [--unused] [--passes 2] [--ddp] [--scheduler] [--state-at K] [--compression fp16] [--until-planned]
 Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches; the schedule
 ``ddp`` is torch DDP over gloo, as --ddp). A schedule may carry its own variant: ``wfbp+unused``
-(as --unused) or ``wfbp+passes2`` (as --passes 2) for that run only;
+(as --unused), ``wfbp+passes2`` (as --passes 2) or ``wfbp+bf16`` (as --compression bf16) for that run only;
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
 that path + ".mid". --until-planned: after --steps, go on stepping (a little slower) while a
@@ -43,7 +43,8 @@ def run(spec: str, opt_name: str, out: str) -> None:
     schedule, _, variant = spec.partition("+")
     unused = args.unused or variant == "unused"
     passes = int(variant[len("passes"):]) if variant.startswith("passes") else args.passes
-    if variant and not (variant == "unused" or variant.startswith("passes")):
+    compression = variant if variant in ("fp16", "bf16") else args.compression
+    if variant and not (variant in ("unused", "fp16", "bf16") or variant.startswith("passes")):
         raise SystemExit(f"unknown variant {variant!r} of {spec!r}")
     model = make_model(unused)
     ddp = args.ddp or schedule == "ddp"
@@ -55,7 +56,7 @@ def run(spec: str, opt_name: str, out: str) -> None:
         opt = imh.DistributedOptimizer(make_optimizer(opt_name, model.parameters()),
                                        named_parameters=model.named_parameters(), schedule=schedule,
                                        backward_passes_per_step=passes, profile_steps=args.profile_steps,
-                                       compression=args.compression)
+                                       compression=compression)
         imh.broadcast_parameters(model.state_dict(), root_rank=0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if args.scheduler else None
     step = 0
@@ -81,7 +82,7 @@ def run(spec: str, opt_name: str, out: str) -> None:
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
     if not ddp:
-        say(rank, "KEYBYTES", *key_bytes(opt._imerge_engine))
+        say(rank, "KEYBYTES", spec, *key_bytes(opt._imerge_engine))
     say(rank, "STEPS", step)
     say(rank, "done", spec, opt_name)
 
