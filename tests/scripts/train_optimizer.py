@@ -5,6 +5,7 @@ Usage: python train_optimizer.py OUT --schedule wfbp[,default,...] --optimizer s
 Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches; the schedule
 ``ddp`` is torch DDP over gloo, as --ddp). A schedule may carry its own variant: ``wfbp+unused``
 (as --unused), ``wfbp+passes2`` (as --passes 2) or ``wfbp+bf16`` (as --compression bf16) for that run only;
+``wfbp+hook`` trains that schedule through DDP with ``imerge_hooks.ps_hook`` (small buckets) instead;
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
 that path + ".mid". --until-planned: after --steps, go on stepping (a little slower) while a
@@ -44,13 +45,18 @@ def run(spec: str, opt_name: str, out: str) -> None:
     unused = args.unused or variant == "unused"
     passes = int(variant[len("passes"):]) if variant.startswith("passes") else args.passes
     compression = variant if variant in ("fp16", "bf16") else args.compression
-    if variant and not (variant in ("unused", "fp16", "bf16") or variant.startswith("passes")):
+    if variant and not (variant in ("unused", "fp16", "bf16", "hook") or variant.startswith("passes")):
         raise SystemExit(f"unknown variant {variant!r} of {spec!r}")
     model = make_model(unused)
-    ddp = args.ddp or schedule == "ddp"
+    ddp = args.ddp or schedule == "ddp" or variant == "hook"
+    hook = None
     if ddp:
-        net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group())
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
+                                                        bucket_cap_mb=0.01 if variant == "hook" else 25)
         opt = make_optimizer(opt_name, model.parameters())
+        if variant == "hook":
+            hook = imh.IMergeHookState(schedule=schedule, named_parameters=model.named_parameters())
+            net.register_comm_hook(hook, imh.ps_hook)
     else:
         net = model
         opt = imh.DistributedOptimizer(make_optimizer(opt_name, model.parameters()),
@@ -83,6 +89,8 @@ def run(spec: str, opt_name: str, out: str) -> None:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
     if not ddp:
         say(rank, "KEYBYTES", spec, *key_bytes(opt._imerge_engine))
+    if hook is not None and hook.engine is not None:  # retire its keys before the next run registers its own
+        hook.engine.close()
     say(rank, "STEPS", step)
     say(rank, "done", spec, opt_name)
 
