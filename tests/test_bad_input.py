@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 from mpirun import run_mpi
 
 SCRIPT = Path(__file__).parent / "scripts" / "bad_input.py"
@@ -32,15 +33,24 @@ def test_mismatched_models_name_tensor_worker_and_server():
     assert text.count("IMergeMismatchError") == 2  # both workers are told, neither waits forever
 
 
-def test_non_floating_tensor_is_refused_with_its_name():
-    run = run_mpi(SCRIPT, 2, "int_param", servers=1, timeout=60)
-    assert run.returncode != 0
-    text = errors(run)
-    assert "'counts'" in text and "torch.int64" in text and "worker 0" in text
+@pytest.fixture(scope="module")
+def local_refusals():
+    """Misuse a worker's own checks refuse (no other rank involved): both cases in one job."""
+    return run_mpi(SCRIPT, 2, "int_param,zero_grad_in_flight", servers=1, timeout=60)
 
 
-def test_zero_grad_while_pushing_is_refused():
-    run = run_mpi(SCRIPT, 2, "zero_grad_in_flight", servers=1, timeout=60)
-    text = errors(run)
+def case_lines(run, case: str) -> str:
+    return "\n".join(line for line in run.stdout.splitlines() if line.startswith(f"@0 {case} "))
+
+
+def test_non_floating_tensor_is_refused_with_its_name(local_refusals):
+    assert local_refusals.returncode != 0
+    text = case_lines(local_refusals, "int_param")
+    assert "ERROR" in text and "'counts'" in text and "torch.int64" in text and "worker 0" in text
+
+
+def test_zero_grad_while_pushing_is_refused(local_refusals):
+    text = case_lines(local_refusals, "zero_grad_in_flight")
     # Either the push already finished (then zero_grad is legal) or the user is told what to do.
-    assert "NO ERROR" in run.stdout or "zero_grad() called while gradients are being pushed" in text
+    assert "NO ERROR" in text or "zero_grad() called while gradients are being pushed" in text, \
+        local_refusals.stdout[-3000:]

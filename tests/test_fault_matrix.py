@@ -1,9 +1,9 @@
 """Fail fast, never hang: whatever happens to one rank, the whole job ends soon, with a non-zero
 exit code and a message that names that rank.
 
-Each case trains 2 workers + 1 server (``scripts/kill_rank.py``) and makes one rank fail at
-step 3. The victim prints the wall-clock time at which it fails; the test measures from then
-until mpiexec returned, and checks that no rank of the job is left.
+Each case trains 2 workers + 1 server (``scripts/kill_rank.py``; a killed rank: 3 workers + 1
+server, at step 20) and makes one rank fail. The victim prints the wall-clock time at which it
+fails; the test measures from then until mpiexec returned, and checks that no rank of the job is left.
 """
 
 from __future__ import annotations
@@ -21,20 +21,20 @@ from imerge_hooks.wire import KeySpec
 
 SCRIPT = Path(__file__).parent / "scripts" / "kill_rank.py"
 
-# (victim world rank, how, env, seconds allowed from the failure until the job is gone, the message).
-# A killed rank runs no code: mpiexec reports it, naming the PID of the first rank it reaped, which
-# is the victim's or, when mpiexec killed the others first, another rank's of this job.
+# (ranks, victim world rank, the step it fails at, how, env, seconds allowed from the failure until the
+# job is gone, the message). A killed rank runs no code: mpiexec reports it, naming the PID of the first
+# rank it reaped, which is the victim's or, when mpiexec killed the others first, another rank's of this job.
 CASES = {
-    "kill worker": (1, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
-    "kill server": (2, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
-    "stop server": (2, "stop", {"IMERGE_TIMEOUT_S": "10"}, 35,
+    "kill worker": (4, 1, 20, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
+    "kill server": (4, 3, 20, "kill", {}, 15, r"BAD TERMINATION.*\n.*PID {any_pid} .*\n.*EXIT CODE: 9"),
+    "stop server": (3, 2, 3, "stop", {"IMERGE_TIMEOUT_S": "10"}, 35,
                     r"worker \d \(world rank \d\): uncaught IMergeTimeoutError: .*server\(?s?\)? \[?0"),
     # All ranks on one host: host aggregation, so worker 0, which sums half of the keys, names worker 1.
-    "stop worker": (1, "stop", {"IMERGE_TIMEOUT_S": "10"}, 30,
+    "stop worker": (3, 1, 3, "stop", {"IMERGE_TIMEOUT_S": "10"}, 30,
                     r"IMerge worker 0 \(host [^)]*\): no gradient of key \d+ .* from worker 1 \(host [^)]*\)"),
-    "worker raises": (1, "raise", {"IMERGE_TIMEOUT_S": "600"}, 15,
+    "worker raises": (3, 1, 3, "raise", {"IMERGE_TIMEOUT_S": "600"}, 15,
                       r"worker 1 \(world rank 1\): uncaught RuntimeError: worker 1 fails at step 3; aborting"),
-    "worker exits early": (1, "exit", {"IMERGE_TIMEOUT_S": "600"}, 15,
+    "worker exits early": (3, 1, 3, "exit", {"IMERGE_TIMEOUT_S": "600"}, 15,
                            r"worker 1 (\(host [^)]*\) )?shut down while (workers \[0\]|this worker) still trains? .*"
                            r"imerge_hooks\.join\(\)"),
 }
@@ -42,13 +42,13 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_failing_rank_ends_the_job_soon_and_is_named(case):
-    victim, how, env, limit_s, message = CASES[case]
-    run = run_mpi(SCRIPT, 3, str(victim), "3", how, servers=1, timeout=limit_s + 60, env=env)
+    ranks, victim, at_step, how, env, limit_s, message = CASES[case]
+    run = run_mpi(SCRIPT, ranks, str(victim), str(at_step), how, servers=1, timeout=limit_s + 60, env=env)
     gone_at = time.time()
     output = run.stdout + run.stderr
     failed_at = run.lines(victim, "FAILS")
     assert failed_at, f"{case}: the victim never failed\n{output[-4000:]}"
-    pids = {rank: int(run.lines(rank, "PID")[0]) for rank in range(3)}
+    pids = {rank: int(run.lines(rank, "PID")[0]) for rank in range(ranks)}
     assert run.returncode != 0, f"{case} went unnoticed\n{output[-4000:]}"
     assert "finished without noticing" not in run.stdout
     any_pid = "(" + "|".join(map(str, pids.values())) + ")"
