@@ -58,3 +58,18 @@ def hook_job(tmp_path_factory) -> Job:
     launch: DDP's own all-reduce (the reference), wfbp, and wfbp with fp16 on the wire."""
     runs = ("allreduce", "wfbp", "wfbp+fp16")
     return _job(tmp_path_factory.mktemp("hook-job"), "train_ddp_hook.py", runs, "--hook")
+
+
+@pytest.fixture(scope="session")
+def loop_job(tmp_path_factory):
+    """2 workers + 1 server: the code users write around the loop (``scripts/around_loop.py``), then
+    the cases that once trained wrong silently (``scripts/silent_cases.py``), in one launch.
+    Returns (around's output pattern, silent's output pattern, the run)."""
+    from mpirun import run_mpi
+
+    tmp = tmp_path_factory.mktemp("loop")
+    around, silent = tmp / "around-{case}.pt", tmp / "silent-{case}.pt"
+    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json"),
+           "IMERGE_LOG_LEVEL": "info"}
+    run = run_mpi(SCRIPTS / "around_loop.py", 3, str(around), str(silent), servers=1, timeout=300, env=env).check()
+    return around, silent, run

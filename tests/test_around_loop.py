@@ -1,7 +1,8 @@
 """Code users write around the loop trains as torch does under the default (overlapped) schedule.
 
-One launch (2 workers + 1 server) runs every case of ``scripts/around_loop.py``; each is compared
-with the same loop in one process (``around_loop.reference``), on every worker.
+One launch (2 workers + 1 server, shared with ``test_silent_cases.py``) runs every case of
+``scripts/around_loop.py``; each is compared with the same loop in one process
+(``around_loop.reference``), on every worker.
 """
 
 import json
@@ -10,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from around_loop import CASES, STEPS, reference
-from mpirun import cost_model_cache, run_mpi
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -19,11 +19,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def around(tmp_path_factory):
-    out = tmp_path_factory.mktemp("around") / "{case}.pt"
-    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json"),
-           "IMERGE_LOG_LEVEL": "info"}
-    run = run_mpi(SCRIPTS / "around_loop.py", WORLD + 1, str(out), servers=1, timeout=240, env=env).check()
+def around(loop_job):
+    """The launch is shared with ``test_silent_cases.py`` (conftest ``loop_job``)."""
+    out, _, run = loop_job
     return out, run
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from common import batch, loss_fn, make_model, make_optimizer
-from mpirun import cost_model_cache, run_mpi
+from mpirun import run_mpi
 from silent_cases import STEPS
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -33,10 +33,9 @@ def reference(case: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def silent_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("silent") / "{case}.pt"
-    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json")}
-    run = run_mpi(SCRIPTS / "silent_cases.py", 3, str(out), servers=1, timeout=240, env=env).check()
+def silent_run(loop_job):
+    """The cases run in the launch of ``test_around_loop.py``, after its own (conftest ``loop_job``)."""
+    _, out, run = loop_job
     return out, run
 
 

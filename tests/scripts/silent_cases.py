@@ -64,11 +64,16 @@ def mismatch_case(case: str) -> None:
         say(rank, f"NO ERROR {case}")
 
 
-if __name__ == "__main__":
-    imh.init()
+def run_all(out: str) -> None:
+    """Every case in turn (``scripts/around_loop.py`` runs them after its own, in the same job)."""
     for case, schedule in [("freeze-wfbp", "wfbp"), ("freeze-imerge", "imerge"), ("no-backward-wfbp", "wfbp"),
                            ("no-backward-imerge", "imerge"), ("zero-before-step-default", "default")]:
-        train_case(sys.argv[1], case, schedule)
+        train_case(out, case, schedule)
     for case in ("order", "shape"):
         mismatch_case(case)
     say(imh.rank(), "DONE")
+
+
+if __name__ == "__main__":
+    imh.init()
+    run_all(sys.argv[1])
