@@ -61,15 +61,17 @@ def hook_job(tmp_path_factory) -> Job:
 
 
 @pytest.fixture(scope="session")
-def loop_job(tmp_path_factory):
-    """2 workers + 1 server: the code users write around the loop (``scripts/around_loop.py``), then
-    the cases that once trained wrong silently (``scripts/silent_cases.py``), in one launch.
-    Returns (around's output pattern, silent's output pattern, the run)."""
+def loop_job(tmp_path_factory) -> dict:
+    """2 workers + 1 server, one launch: the code users write around the loop (``scripts/around_loop.py``),
+    then the cases that once trained wrong silently (``silent_cases.py``), the optimizer's lifecycle
+    (``lifecycle.py``) and a finished group's release (``comm_release.py``).
+    Returns each script's output pattern by name, and the run as "run"."""
     from mpirun import run_mpi
 
     tmp = tmp_path_factory.mktemp("loop")
-    around, silent = tmp / "around-{case}.pt", tmp / "silent-{case}.pt"
+    outs = {name: str(tmp / f"{name}-{{case}}.pt") for name in ("around_loop", "silent_cases", "lifecycle")}
+    then = [f"{name}={outs[name]}" for name in ("silent_cases", "lifecycle")] + ["comm_release"]
     env = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json"),
            "IMERGE_LOG_LEVEL": "info"}
-    run = run_mpi(SCRIPTS / "around_loop.py", 3, str(around), str(silent), servers=1, timeout=300, env=env).check()
-    return around, silent, run
+    run = run_mpi(SCRIPTS / "around_loop.py", 3, outs["around_loop"], *then, servers=1, timeout=300, env=env).check()
+    return {**outs, "run": run}

@@ -21,8 +21,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def around(loop_job):
     """The launch is shared with ``test_silent_cases.py`` (conftest ``loop_job``)."""
-    out, _, run = loop_job
-    return out, run
+    return Path(loop_job["around_loop"]), loop_job["run"]
 
 
 def _load(out, case, rank):

@@ -1,21 +1,16 @@
 """DistributedOptimizer's lifecycle: schedulers built before wrapping, close()/with, set_backward_passes_per_step."""
 
-from pathlib import Path
-
 import torch
 from common import reference_train
-from mpirun import run_mpi
-
-SCRIPT = Path(__file__).parent / "scripts" / "lifecycle.py"
 
 
 def max_diff(a: dict, b: dict) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in b)
 
 
-def test_lifecycle(tmp_path):
-    out = tmp_path / "{case}.pt"
-    run = run_mpi(SCRIPT, 3, str(out), servers=1, timeout=120).check()
+def test_lifecycle(loop_job):
+    """``scripts/lifecycle.py`` runs in the shared 2 worker + 1 server job (conftest ``loop_job``)."""
+    out, run = loop_job["lifecycle"], loop_job["run"]
     # An LR scheduler patched optimizer.step before wrapping: the steps still average over workers.
     assert max_diff(torch.load(str(out).format(case="scheduler")), reference_train("sgd", 4, scheduler=True)) <= 1e-5
     # close() (the end of the with-block) gives back the plain optimizer class.

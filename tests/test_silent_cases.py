@@ -35,8 +35,7 @@ def reference(case: str) -> dict:
 @pytest.fixture(scope="module")
 def silent_run(loop_job):
     """The cases run in the launch of ``test_around_loop.py``, after its own (conftest ``loop_job``)."""
-    _, out, run = loop_job
-    return out, run
+    return Path(loop_job["silent_cases"]), loop_job["run"]
 
 
 @pytest.mark.parametrize("case", CASES)

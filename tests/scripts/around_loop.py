@@ -1,7 +1,7 @@
 """What users do around the training loop, under the default (overlapped) schedule.
 
-Usage: python around_loop.py OUT [SILENT_OUT]   (OUT has {case}; W=2 workers + 1 server; with SILENT_OUT
-the cases of ``silent_cases.py`` run next in the same job)
+Usage: python around_loop.py OUT [MODULE=OUT ...]   (OUT has {case}; W=2 workers + 1 server; each
+MODULE=OUT runs that script's cases next in the same job: ``MODULE.run_all(OUT)``)
 Each case trains STEPS steps of ``worker_loss`` and saves, on every worker, the final state plus what
 the case reads along the way; ``reference`` replays the same loop in one process on every worker's
 shard (the average of the workers' losses), which is what data-parallel training must equal.
@@ -9,6 +9,7 @@ shard (the average of the workers' losses), which is what data-parallel training
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -147,10 +148,9 @@ def main() -> None:
     for case in CASES:
         train(case, sys.argv[1])
         say(imh.rank(), "DONE", case)
-    if len(sys.argv) > 2:  # the silent cases' output pattern: they run next, in this job
-        import silent_cases
-
-        silent_cases.run_all(sys.argv[2])
+    for then in sys.argv[2:]:  # MODULE=OUT: another script's cases run next, in this job
+        name, _, out = then.partition("=")
+        importlib.import_module(name).run_all(out)
 
 
 if __name__ == "__main__":

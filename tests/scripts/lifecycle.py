@@ -47,8 +47,12 @@ def accumulation(out: str) -> None:
         torch.save(model.state_dict(), out.format(case="accumulation"))
 
 
+def run_all(out: str) -> None:
+    scheduler_before_wrapping(out)
+    accumulation(out)
+    say(imh.rank(), "DONE")
+
+
 if __name__ == "__main__":
     imh.init()
-    scheduler_before_wrapping(sys.argv[1])
-    accumulation(sys.argv[1])
-    say(imh.rank(), "DONE")
+    run_all(sys.argv[1])
