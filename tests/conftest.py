@@ -75,3 +75,29 @@ def loop_job(tmp_path_factory) -> dict:
            "IMERGE_LOG_LEVEL": "info"}
     run = run_mpi(SCRIPTS / "around_loop.py", 3, outs["around_loop"], *then, servers=1, timeout=300, env=env).check()
     return {**outs, "run": run}
+
+
+@pytest.fixture(scope="session")
+def planned_job(tmp_path_factory) -> Job:
+    """3 workers + 2 servers, DistributedOptimizer with every schedule, one launch: StepLR every step,
+    6 steps, a plan epoch change after 3 profiled steps, the model and optimizer state after step 4
+    (``.mid``), small partitions and credit so the small model still gets several partitions per
+    group. Runs are ``SCHEDULE@OPTIMIZER``; worker 0's files are ``{schedule}-{optimizer}.pt``."""
+    import torch
+    from mpirun import run_mpi
+
+    runs = [f"{s}@{o}" for s in ("default", "wfbp", "threshold", "mgwfbp", "adaptive-ps") for o in ("sgd", "adam")]
+    runs += [f"{s}@{o}" for s in ("priority", "imerge") for o in ("sgd", "adam", "adamw")]
+    out = str(tmp_path_factory.mktemp("planned-job") / "{schedule}-{optimizer}.pt")
+    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json"),
+           "IMERGE_PARTITION_BYTES": "8192", "IMERGE_CREDIT_BYTES": "32768",
+           "IMERGE_FUSION_THRESHOLD_BYTES": "20000", "IMERGE_PLAN_LOG": "1"}
+    run = run_mpi(SCRIPTS / "train_optimizer.py", 5, out, "--schedule", ",".join(runs), "--optimizer", "sgd",
+                  "--steps", "6", "--profile-steps", "3", "--scheduler", "--state-at", "4", servers=2, env=env,
+                  timeout=400).check()
+    params = {}
+    for spec in runs:
+        schedule, optimizer = spec.split("@")
+        params[spec] = torch.load(out.format(schedule=schedule, optimizer=optimizer))
+        params[spec + ".mid"] = torch.load(out.format(schedule=schedule, optimizer=optimizer) + ".mid")
+    return Job(run, params)

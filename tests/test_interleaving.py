@@ -37,17 +37,13 @@ def env(tmp_path_factory):
             "IMERGE_PARTITION_BYTES": "8192", "IMERGE_CREDIT_BYTES": "32768"}
 
 
-@pytest.mark.parametrize("workers,servers", [(3, 2)])  # more cells: the model zoo
-def test_matches_synchronous_training(tmp_path, env, workers, servers):
-    out = str(tmp_path / "{schedule}-{optimizer}.pt")
-    run_mpi(SCRIPT, workers + servers, out, "--schedule", "priority,imerge", "--optimizer", "sgd,adam,adamw",
-            "--steps", "6", "--profile-steps", "2", "--scheduler", "--state-at", "4", servers=servers, env=env,
-            timeout=300).check()
+def test_matches_synchronous_training(planned_job):
+    """3 workers + 2 servers (conftest ``planned_job``; more cells: the model zoo): the final parameters
+    and, after step 4, the parameters and the optimizer state (overlap flushed by state_dict())."""
     for schedule, opt in [(s, o) for s in ("priority", "imerge") for o in ("sgd", "adam", "adamw")]:
-        path = out.format(schedule=schedule, optimizer=opt)
         ref_final = reference_train(opt, 6, scheduler=True)
-        assert max_diff(torch.load(path), ref_final) <= TOL, (schedule, opt)
-        mid = torch.load(path + ".mid")
+        assert max_diff(planned_job.params[f"{schedule}@{opt}"], ref_final) <= TOL, (schedule, opt)
+        mid = planned_job.params[f"{schedule}@{opt}.mid"]
         ref_params, ref_opt = reference_train(opt, 4, scheduler=True, with_optimizer=True)
         assert max_diff(mid["model"], ref_params) <= TOL, (schedule, opt, "mid-training params")
         assert state_diff(mid["optimizer"], ref_opt) <= TOL, (schedule, opt, "mid-training optimizer state")

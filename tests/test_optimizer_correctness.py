@@ -22,7 +22,7 @@ def train(tmp_path, workers, servers, *args, timeout=120):
     return torch.load(out)
 
 
-@pytest.mark.parametrize("workers,servers", [(1, 1), (3, 2)])  # more cells: the model zoo
+@pytest.mark.parametrize("workers,servers", [(1, 1)])  # 3 + 2: planned_job below; more cells: the model zoo
 def test_sgd_and_adam_match_full_batch(tmp_path, workers, servers):
     out = tmp_path / "{schedule}-{optimizer}.pt"
     run_mpi(SCRIPT, workers + servers, str(out), "--schedule", "default,wfbp", "--optimizer", "sgd,adam",
@@ -57,20 +57,37 @@ def test_backward_passes_per_step(optimizer_job):
     assert max_diff(got, reference_train("sgd", 5, passes=1)) <= TOL
 
 
-@pytest.mark.parametrize("workers,servers", [(2, 1), (3, 2)])
-def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_model_dir, workers, servers):
-    """profile_steps=3: iterations 0-2 use one tensor per group, then the plan epoch changes."""
+def test_sgd_and_adam_match_full_batch_on_three_workers_two_servers(planned_job):
+    """3 workers + 2 servers (conftest ``planned_job``: StepLR every step)."""
+    for schedule in ("default", "wfbp"):
+        for opt in ("sgd", "adam"):
+            got = planned_job.params[f"{schedule}@{opt}"]
+            assert max_diff(got, reference_train(opt, 6, scheduler=True)) <= TOL, (opt, schedule)
+
+
+def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_model_dir):
+    """2 workers + 1 server, profile_steps=3: iterations 0-2 use one tensor per group, then the plan
+    epoch changes (3 workers + 2 servers: the next test)."""
     out = tmp_path / "{schedule}-{optimizer}.pt"
     env = {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json"),
            "IMERGE_FUSION_THRESHOLD_BYTES": "20000", "IMERGE_PLAN_LOG": "1"}
     schedules = ("threshold", "mgwfbp", "adaptive-ps")
-    run = run_mpi(SCRIPT, workers + servers, str(out), "--schedule", ",".join(schedules), "--optimizer", "sgd,adam",
-                  "--steps", "6", "--profile-steps", "3", servers=servers, env=env, timeout=300).check()
+    run = run_mpi(SCRIPT, 3, str(out), "--schedule", ",".join(schedules), "--optimizer", "sgd,adam",
+                  "--steps", "6", "--profile-steps", "3", servers=1, env=env, timeout=300).check()
     for schedule in schedules:
         assert f"IMerge plan ({'optimal' if schedule == 'adaptive-ps' else schedule}" in run.stdout
         for opt in ("sgd", "adam"):
             got = torch.load(str(out).format(schedule=schedule, optimizer=opt))
             assert max_diff(got, reference_train(opt, 6)) <= TOL, (schedule, opt)
+
+
+def test_planned_schedules_on_three_workers_two_servers(planned_job):
+    """The same after the plan epoch change, 3 workers + 2 servers, with StepLR (conftest ``planned_job``)."""
+    for schedule in ("threshold", "mgwfbp", "adaptive-ps"):
+        assert f"IMerge plan ({'optimal' if schedule == 'adaptive-ps' else schedule}" in planned_job.run.stdout
+        for opt in ("sgd", "adam"):
+            got = planned_job.params[f"{schedule}@{opt}"]
+            assert max_diff(got, reference_train(opt, 6, scheduler=True)) <= TOL, (schedule, opt)
 
 
 def test_plan_from_a_background_search_is_installed_as_a_later_epoch(tmp_path, cost_model_dir):

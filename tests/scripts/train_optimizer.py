@@ -6,6 +6,7 @@ Every (schedule, optimizer) pair trains a fresh model in this one job (fewer lau
 ``ddp`` is torch DDP over gloo, as --ddp). A schedule may carry its own variant: ``wfbp+unused``
 (as --unused), ``wfbp+passes2`` (as --passes 2) or ``wfbp+bf16`` (as --compression bf16) for that run only;
 ``wfbp+hook`` trains that schedule through DDP with ``imerge_hooks.ps_hook`` (small buckets) instead;
+``wfbp@adam`` trains that run with Adam only (not every optimizer of --optimizer);
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
 that path + ".mid". --until-planned: after --steps, go on stepping (a little slower) while a
@@ -95,6 +96,8 @@ def run(spec: str, opt_name: str, out: str) -> None:
     say(rank, "done", spec, opt_name)
 
 
-pairs = [(s, o) for s in args.schedule.split(",") for o in args.optimizer.split(",")]
+# ``SPEC@OPTIMIZER`` trains that run with that optimizer only, instead of every one of --optimizer
+pairs = [(s.partition("@")[0], o) for s in args.schedule.split(",")
+         for o in ([s.partition("@")[2]] if "@" in s else args.optimizer.split(","))]
 for schedule, opt_name in pairs:
     run(schedule, opt_name, args.out.format(schedule=schedule, optimizer=opt_name) if len(pairs) > 1 else args.out)
