@@ -33,31 +33,28 @@ class Job:
         raise AssertionError(f"no KEYBYTES line for {spec}\n{self.run.stdout[-3000:]}")
 
 
-def _job(tmp: Path, script: str, runs: tuple[str, ...], *args: str, timeout: float = 300) -> Job:
+@pytest.fixture(scope="session")
+def optimizer_job(tmp_path_factory) -> Job:
+    """2 workers + 1 server, 6 steps, a fresh model per run in one launch (read by several test files).
+    DistributedOptimizer with SGD: torch DDP (gloo, the reference), wfbp, wfbp with an unused layer, with
+    two backward passes per step, with bf16 on the wire; DDP with ``ps_hook``: wfbp, and wfbp with fp16;
+    the planned schedules with SGD and Adam, whose plan epoch changes after 3 profiled steps."""
+    runs = ("ddp", "wfbp", "wfbp+unused", "wfbp+passes2", "wfbp+bf16", "wfbp+hook", "wfbp+hook+fp16",
+            *(f"{s}@{o}" for s in ("threshold", "mgwfbp", "adaptive-ps") for o in ("sgd", "adam")))
+    tmp = tmp_path_factory.mktemp("optimizer-job")
+    out = str(tmp / "{schedule}-{optimizer}.pt")
+    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_cache() / "ps-{workers}w-{servers}s-{hosts}.json"),
+           "IMERGE_FUSION_THRESHOLD_BYTES": "20000", "IMERGE_PLAN_LOG": "1"}
     import torch
     from mpirun import run_mpi
 
-    out = tmp / "{schedule}.pt"
-    run = run_mpi(SCRIPTS / script, 3, str(out), "--schedule", ",".join(runs), *args, servers=1,
-                  timeout=timeout).check()
-    return Job(run, {r: torch.load(str(out).format(schedule=r)) for r in runs})
-
-
-@pytest.fixture(scope="session")
-def optimizer_job(tmp_path_factory) -> Job:
-    """2 workers + 1 server, DistributedOptimizer (SGD, 5 steps), a fresh model per run in one launch:
-    torch DDP (gloo, the reference), wfbp, wfbp with an unused layer, with two backward passes per
-    step, and with bf16 on the wire (read by several test files)."""
-    runs = ("ddp", "wfbp", "wfbp+unused", "wfbp+passes2", "wfbp+bf16")
-    return _job(tmp_path_factory.mktemp("optimizer-job"), "train_optimizer.py", runs, "--optimizer", "sgd")
-
-
-@pytest.fixture(scope="session")
-def hook_job(tmp_path_factory) -> Job:
-    """2 workers + 1 server, DDP with imerge_hooks.ps_hook (SGD, 5 steps), a fresh model per run in one
-    launch: DDP's own all-reduce (the reference), wfbp, and wfbp with fp16 on the wire."""
-    runs = ("allreduce", "wfbp", "wfbp+fp16")
-    return _job(tmp_path_factory.mktemp("hook-job"), "train_ddp_hook.py", runs, "--hook")
+    run = run_mpi(SCRIPTS / "train_optimizer.py", 3, out, "--schedule", ",".join(runs), "--optimizer", "sgd",
+                  "--steps", "6", "--profile-steps", "3", servers=1, env=env, timeout=400).check()
+    params = {}
+    for spec in runs:
+        schedule, _, optimizer = spec.partition("@")
+        params[spec] = torch.load(out.format(schedule=schedule, optimizer=optimizer or "sgd"))
+    return Job(run, params)
 
 
 @pytest.fixture(scope="session")

@@ -41,12 +41,12 @@ def test_single_process_without_servers(tmp_path):
 def test_matches_torch_ddp(optimizer_job):
     ddp, ours = optimizer_job.params["ddp"], optimizer_job.params["wfbp"]
     assert max_diff(ddp, ours) <= TOL
-    assert max_diff(ddp, reference_train("sgd", 5)) <= TOL
+    assert max_diff(ddp, reference_train("sgd", 6)) <= TOL
 
 
 def test_unused_parameter(optimizer_job):
     got = optimizer_job.params["wfbp+unused"]
-    ref = reference_train("sgd", 5, unused=True)
+    ref = reference_train("sgd", 6, unused=True)
     assert max_diff(got, ref) <= TOL
     # The unused layer never moved (weight decay would have moved it had it been stepped).
     assert torch.equal(got["spare.weight"], reference_train("sgd", 0, unused=True)["spare.weight"])
@@ -54,7 +54,7 @@ def test_unused_parameter(optimizer_job):
 
 def test_backward_passes_per_step(optimizer_job):
     got = optimizer_job.params["wfbp+passes2"]
-    assert max_diff(got, reference_train("sgd", 5, passes=1)) <= TOL
+    assert max_diff(got, reference_train("sgd", 6, passes=1)) <= TOL
 
 
 def test_sgd_and_adam_match_full_batch_on_three_workers_two_servers(planned_job):
@@ -65,19 +65,13 @@ def test_sgd_and_adam_match_full_batch_on_three_workers_two_servers(planned_job)
             assert max_diff(got, reference_train(opt, 6, scheduler=True)) <= TOL, (opt, schedule)
 
 
-def test_planned_schedules_match_full_batch_across_plan_change(tmp_path, cost_model_dir):
+def test_planned_schedules_match_full_batch_across_plan_change(optimizer_job):
     """2 workers + 1 server, profile_steps=3: iterations 0-2 use one tensor per group, then the plan
-    epoch changes (3 workers + 2 servers: the next test)."""
-    out = tmp_path / "{schedule}-{optimizer}.pt"
-    env = {"IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json"),
-           "IMERGE_FUSION_THRESHOLD_BYTES": "20000", "IMERGE_PLAN_LOG": "1"}
-    schedules = ("threshold", "mgwfbp", "adaptive-ps")
-    run = run_mpi(SCRIPT, 3, str(out), "--schedule", ",".join(schedules), "--optimizer", "sgd,adam",
-                  "--steps", "6", "--profile-steps", "3", servers=1, env=env, timeout=300).check()
-    for schedule in schedules:
-        assert f"IMerge plan ({'optimal' if schedule == 'adaptive-ps' else schedule}" in run.stdout
+    epoch changes (conftest ``optimizer_job``; 3 workers + 2 servers: the next test)."""
+    for schedule in ("threshold", "mgwfbp", "adaptive-ps"):
+        assert f"IMerge plan ({'optimal' if schedule == 'adaptive-ps' else schedule}" in optimizer_job.run.stdout
         for opt in ("sgd", "adam"):
-            got = torch.load(str(out).format(schedule=schedule, optimizer=opt))
+            got = optimizer_job.params[f"{schedule}@{opt}"]
             assert max_diff(got, reference_train(opt, 6)) <= TOL, (schedule, opt)
 
 

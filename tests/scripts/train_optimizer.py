@@ -5,7 +5,8 @@ Usage: python train_optimizer.py OUT --schedule wfbp[,default,...] --optimizer s
 Every (schedule, optimizer) pair trains a fresh model in this one job (fewer launches; the schedule
 ``ddp`` is torch DDP over gloo, as --ddp). A schedule may carry its own variant: ``wfbp+unused``
 (as --unused), ``wfbp+passes2`` (as --passes 2) or ``wfbp+bf16`` (as --compression bf16) for that run only;
-``wfbp+hook`` trains that schedule through DDP with ``imerge_hooks.ps_hook`` (small buckets) instead;
+``wfbp+hook`` trains that schedule through DDP with ``imerge_hooks.ps_hook`` (small buckets) instead
+(variants combine: ``wfbp+hook+fp16``);
 ``wfbp@adam`` trains that run with Adam only (not every optimizer of --optimizer);
 worker 0 saves the final state_dict to OUT.format(schedule=..., optimizer=...) (OUT itself
 when there is one pair), and with --state-at K the model+optimizer state after step K to
@@ -42,21 +43,23 @@ say(rank, "AGGREGATE", imh.session.topology().aggregate_in_host, imh.session.top
 
 
 def run(spec: str, opt_name: str, out: str) -> None:
-    schedule, _, variant = spec.partition("+")
-    unused = args.unused or variant == "unused"
-    passes = int(variant[len("passes"):]) if variant.startswith("passes") else args.passes
-    compression = variant if variant in ("fp16", "bf16") else args.compression
-    if variant and not (variant in ("unused", "fp16", "bf16", "hook") or variant.startswith("passes")):
-        raise SystemExit(f"unknown variant {variant!r} of {spec!r}")
+    schedule, *variants = spec.split("+")
+    unused = args.unused or "unused" in variants
+    passes = next((int(v[len("passes"):]) for v in variants if v.startswith("passes")), args.passes)
+    compression = next((v for v in variants if v in ("fp16", "bf16")), args.compression)
+    unknown = [v for v in variants if not (v in ("unused", "fp16", "bf16", "hook") or v.startswith("passes"))]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown} of {spec!r}")
     model = make_model(unused)
-    ddp = args.ddp or schedule == "ddp" or variant == "hook"
+    ddp = args.ddp or schedule == "ddp" or "hook" in variants
     hook = None
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model, process_group=imh.worker_group(),
-                                                        bucket_cap_mb=0.01 if variant == "hook" else 25)
+                                                        bucket_cap_mb=0.01 if "hook" in variants else 25)
         opt = make_optimizer(opt_name, model.parameters())
-        if variant == "hook":
-            hook = imh.IMergeHookState(schedule=schedule, named_parameters=model.named_parameters())
+        if "hook" in variants:
+            hook = imh.IMergeHookState(schedule=schedule, named_parameters=model.named_parameters(),
+                                       compression=compression or "none")
             net.register_comm_hook(hook, imh.ps_hook)
     else:
         net = model
@@ -91,6 +94,7 @@ def run(spec: str, opt_name: str, out: str) -> None:
     if not ddp:
         say(rank, "KEYBYTES", spec, *key_bytes(opt._imerge_engine))
     if hook is not None and hook.engine is not None:  # retire its keys before the next run registers its own
+        say(rank, "KEYBYTES", spec, *key_bytes(hook.engine))
         hook.engine.close()
     say(rank, "STEPS", step)
     say(rank, "done", spec, opt_name)
