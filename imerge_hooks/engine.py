@@ -615,7 +615,7 @@ class GradientEngine:
             return
         mine = (self.iteration, [p.detach().cpu() for p in self.params]) if topo.worker_rank == worker else None
         iteration, values = collectives.collective(topo.worker_comm, "bcast", mine, "the last joiner's parameters",
-                                               root=worker)
+                                                   root=worker)
         self.iteration = iteration
         if topo.worker_rank != worker:
             with torch.no_grad():
@@ -642,7 +642,7 @@ class GradientEngine:
         if self.replanner is not None:
             self.replanner.close()
         session.remove_callbacks(self.flush_deferred, self._finish_before_join, self._take_parameters_of,
-                                self.shadow_round)
+                                 self.shadow_round)
         for group in self.groups:
             group.flat = group.result = group.staging = None
             group.release_buffers()

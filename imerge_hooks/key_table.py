@@ -79,7 +79,7 @@ def register_keys(client: int, keys: list[KeySpec], tensors: list[tuple[str, tup
     errors = []
     for server in range(topo.num_servers):
         reply = handoff.recv_with_timeout(comm, topo.server_world_rank(server), TAG_REPLY,
-                                   f"the answer of server {server} to plan epoch {state.epoch}")
+                                          f"the answer of server {server} to plan epoch {state.epoch}")
         if reply.get("op") == "error":
             errors.append(reply["message"])
     if errors:

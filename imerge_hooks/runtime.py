@@ -35,8 +35,9 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     ``python -m imerge_hooks.server`` in an MPMD job, or 0) become parameter servers: on them
     ``init`` serves until every worker has shut down and then exits the process with code 0.
     On workers it returns, in a job of several ranks with torchrun's variables set for the
-    workers-only world (``export_torch_env``). A second call on a worker is a no-op. In a job of several ranks an
-    uncaught exception in any thread then aborts the whole MPI job (``_install_excepthooks``).
+    workers-only world (``torch_world.export_torch_env``). A second call on a worker is a no-op. In a
+    job of several ranks an uncaught exception in any thread then aborts the whole MPI job
+    (``failure.install_excepthooks``).
     """
     if session.state.topology is not None:
         return
@@ -90,10 +91,10 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
         torch_world.export_torch_env()
     if topo.num_servers > 0:
         on_event = _timeline_comm_event if session.state.timeline is not None else None
-        session.state.comm_thread = CommThread(topo.data_comm, topo.worker_rank, topo.num_workers, topo.num_servers,
-                                        topo.server_world_rank, cfg.timeout_s, on_event=on_event,
-                                        host_comm=topo.host_comm, host_workers=topo.host_workers,
-                                        describe=topo.describe_rank)
+        session.state.comm_thread = CommThread(topo.data_comm, topo.worker_rank, topo.num_workers,
+                                               topo.num_servers, topo.server_world_rank, cfg.timeout_s,
+                                               on_event=on_event, host_comm=topo.host_comm,
+                                               host_workers=topo.host_workers, describe=topo.describe_rank)
     atexit.register(shutdown)
 
 
@@ -108,6 +109,7 @@ def _timeline_comm_event(kind: str, group, slot: int, start: float, end: float) 
     if kind == "done":
         spec = group.keys[slot]
         session.state.timeline.span(f"push+pull key {spec.key} -> server {spec.server}", "comm", start, end, "comm")
+
 
 def _setup_logging() -> None:
     level = os.environ.get("IMERGE_LOG_LEVEL")

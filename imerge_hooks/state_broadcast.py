@@ -49,7 +49,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
         return
     signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
     root_signature = collectives.collective(topo.worker_comm, "bcast", signature,
-                                        f"the parameters of worker {root_rank}", root=root_rank)
+                                            f"the parameters of worker {root_rank}", root=root_rank)
     if root_signature != signature:
         diff = next((f"{a} vs {b}" for a, b in zip(signature, root_signature) if a != b),
                     f"{len(signature)} tensors vs {len(root_signature)}")

@@ -140,7 +140,7 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
         for _ in range(repeats):
             # Spin while waiting (as MPI's Barrier does), so the workers start their samples together.
             collectives.collective(topo.worker_comm, "barrier", None, "the calibration barrier",
-                               spin_s=polling.SPIN_S_DEDICATED)
+                                   spin_s=polling.SPIN_S_DEDICATED)
             begin = time.perf_counter()
             round_trip(index)
             samples.append(time.perf_counter() - begin)
@@ -148,7 +148,7 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
         median = statistics.median(samples)
         mine = (median, now - start, max(0.0, (now - first) / repeats - median))
         rows = collectives.collective(topo.worker_comm, "allgather", mine,
-                                  f"the calibration times of {sizes[index]} bytes")
+                                      f"the calibration times of {sizes[index]} bytes")
         return max(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows)
 
     key_table.register_keys(client, keys)

@@ -28,7 +28,7 @@ numel = 1 << 20  # 4 MiB: far above any eager limit
 k_key, j_key = key_table.allocate_keys(2)
 client = session.new_client_id()
 key_table.register_keys(client, [KeySpec(k_key, numel * 4, "float32", 0, ("k",)),
-                               KeySpec(j_key, 1024 * 4, "float32", 0, ("j",))])
+                                 KeySpec(j_key, 1024 * 4, "float32", 0, ("j",))])
 
 
 def push(key: int, value: float, n: int, round_number: int = 1):
