@@ -30,7 +30,7 @@ from imerge_hooks.internals import AccessGuard  # noqa: E402
 
 class _PendingEngine:
     """The engine's side of the guard with every parameter of ``model`` pending but never applied
-    (a dict lookup per fetch, as ``GradientEngine.on_fetch`` does before it applies anything)."""
+    (a dict lookup per fetch, as ``deferral.Overlap.on_fetch`` does before it applies anything)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.pending = {id(p) for p in model.parameters()}

@@ -165,9 +165,11 @@ class Overlap:
     recorded step (``DeferredStep``), the global forward pre-hook that applies a module's updates
     just before it runs, and who applied them (``applied_by``, logged once).
 
-    The engine asks through :meth:`can_defer`, :meth:`defer`, :meth:`flush`, :meth:`on_fetch` and
-    :meth:`zero_pending`; this reads the engine's parameters, names, groups (``wait_params``) and
-    timeline, and nothing else of it."""
+    The engine asks through :meth:`can_defer`, :meth:`defer` and :meth:`flush`; while a step is
+    pending, ``gates.AccessGuard`` routes user code's reads here (:meth:`on_fetch`,
+    :meth:`zero_pending`). Of the engine it reads the parameters and names, its settings and topology
+    (log lines), the groups (``group_of``, ``wait_params``), the event record and the timeline; it
+    writes only ``none_when_unused`` (``module.zero_grad(set_to_none=...)`` while a step is pending)."""
 
     def __init__(self, engine: Any, enabled: bool) -> None:
         self.engine = engine
@@ -233,7 +235,7 @@ class Overlap:
             return
         if self.forward_hook is None:
             self.forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self.before_forward)
-            AccessGuard.activate(engine)
+            AccessGuard.activate(self)
 
     def on_fetch(self, param: torch.Tensor, reason: str) -> None:
         """``param`` is about to be read by ``reason`` (not the forward's gate): apply its update first."""
@@ -327,7 +329,7 @@ class Overlap:
         if self.forward_hook is not None:
             self.forward_hook.remove()
             self.forward_hook = None
-            AccessGuard.deactivate(engine)
+            AccessGuard.deactivate(self)
 
     def summary(self) -> str:
         """One line: how many deferred updates the forward's gates applied, and who applied the rest."""

@@ -28,9 +28,6 @@ from .wire import SUPPORTED_DTYPES, KeySpec
 
 log = logging.getLogger("imerge")
 
-# Who may apply pending updates without a warning: the forward did not use those parameters before
-# the next step(), or training (or a stage) is ending.
-
 
 class GradientEngine:
     """Synchronises the gradients of one set of named parameters through the servers."""
@@ -586,20 +583,9 @@ class GradientEngine:
         self.iteration += 1
         self.overlap.defer(optimizer, fired)
 
-    def on_fetch(self, param: torch.Tensor, reason: str) -> None:
-        """``param`` is about to be read by ``reason`` (not the forward's gate): apply its update first."""
-        self.overlap.on_fetch(param, reason)
-
-    def zero_pending(self, params: list[torch.Tensor], set_to_none: bool) -> set[int]:
-        """``module.zero_grad()`` while updates are pending (``deferral.Overlap.zero_pending``)."""
-        return self.overlap.zero_pending(params, set_to_none)
-
     def flush_deferred(self, reason: str = "the next step()") -> None:
         """Apply every pending update of the recorded step (waits for its groups); ``reason``: who asked."""
         self.overlap.flush(reason)
-
-    def overlap_summary(self) -> str:
-        return self.overlap.summary()
 
     def wait_params(self, indices: list[int]) -> None:
         """Wait for the groups holding parameters ``indices`` and take their results (a deferred update)."""

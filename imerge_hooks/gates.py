@@ -200,7 +200,7 @@ class AccessGuard:
     """
 
     _lock = threading.Lock()
-    _active: list = []  # engines with pending updates: .on_fetch(param, reason), .zero_pending(params, none)
+    _active: list = []  # overlaps with a pending step (deferral.Overlap): .on_fetch(param, reason), .zero_pending(...)
     _users = 0  # engines that may defer: the entry points stay patched while there are any
     _originals = {
         (torch.nn.Module, "__getattr__"): torch.nn.Module.__getattr__,
@@ -233,19 +233,19 @@ class AccessGuard:
                     setattr(owner, name, fn)
 
     @classmethod
-    def activate(cls, engine) -> None:
-        """``engine`` has pending updates: reads go through it until ``deactivate``."""
+    def activate(cls, holder) -> None:
+        """``holder`` (a ``deferral.Overlap``) has pending updates: reads go through it until ``deactivate``."""
         with cls._lock:
             if cls._users == 0:
                 raise RuntimeError("IMerge internal: AccessGuard.activate() without retain()")
-            if engine not in cls._active:
-                cls._active.append(engine)
+            if holder not in cls._active:
+                cls._active.append(holder)
 
     @classmethod
-    def deactivate(cls, engine) -> None:
+    def deactivate(cls, holder) -> None:
         with cls._lock:
-            if engine in cls._active:
-                cls._active.remove(engine)
+            if holder in cls._active:
+                cls._active.remove(holder)
 
     @classmethod
     def original(cls, owner: type, name: str) -> Callable:
@@ -253,8 +253,8 @@ class AccessGuard:
 
 
 def _fetched(param: torch.Tensor, reason: str) -> None:
-    for engine in list(AccessGuard._active):
-        engine.on_fetch(param, reason)
+    for holder in list(AccessGuard._active):
+        holder.on_fetch(param, reason)
 
 
 _getattr = torch.nn.Module.__getattr__
@@ -296,8 +296,8 @@ def _guarded_zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
         return AccessGuard.original(torch.nn.Module, "zero_grad")(self, set_to_none)
     params = [p for _, p in _named_parameters(self)]
     handled: set[int] = set()
-    for engine in list(AccessGuard._active):
-        handled |= engine.zero_pending(params, set_to_none)
+    for holder in list(AccessGuard._active):
+        handled |= holder.zero_pending(params, set_to_none)
     for p in params:  # torch's Module.zero_grad for the others
         if id(p) in handled or p.grad is None:
             continue
