@@ -36,7 +36,7 @@ from .errors import (
 )
 from .failure import record_fatal, whoami
 from .layout import Compression
-from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum, reduce_op, resolve_op  # noqa: F401
+from .ops import ReduceOp, reduce_op, resolve_op
 from .polling import DeadlineWait
 from .process import check_process_set, global_process_set
 from .topology import Topology
