@@ -56,7 +56,7 @@ def main() -> None:
     # Resume: worker 0 reads the checkpoint, every worker learns the epoch and gets its state.
     first_epoch = 0
     if args.checkpoint and hvd.rank() == 0 and os.path.exists(args.checkpoint):
-        saved = torch.load(args.checkpoint, map_location=device)
+        saved = torch.load(args.checkpoint, weights_only=True, map_location=device)  # plain data only
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["optimizer"])
         first_epoch = saved["epoch"] + 1
