@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,14 @@ PARTITION_BYTES = 4 * _MiB
 CREDIT_BYTES = 8 * _MiB  # A/B of other sizes: benchmarks/run.py --alternate credit_bytes=...
 FUSION_THRESHOLD_BYTES = 25 * _MiB
 TAIL_CREDIT_BYTES: int | None = 1 * _MiB  # the default of Config.tail_credit_bytes (and simulate)
+
+
+class InvalidOption(ValueError):
+    """A setting's value is out of its range; ``option`` names the setting."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 @dataclass
@@ -104,28 +113,38 @@ class Config:
     def __post_init__(self) -> None:
         if not isinstance(self.compression, str):  # Compression.fp16 (a compressor class): its name
             self.compression = getattr(self.compression, "name", self.compression)
+        for name, field_type in _FIELD_TYPES.items():  # numbers: finite (nan and inf pass every comparison below)
+            value = getattr(self, name)
+            if str(field_type).startswith(("int", "float")) and value is not None and not _finite_number(value):
+                raise InvalidOption(name, f"IMerge: {name} must be a finite number, got {value!r}")
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"IMerge: unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            raise InvalidOption("schedule", f"IMerge: unknown schedule {self.schedule!r}; choose one of "
+                                f"{', '.join(SCHEDULES)}")
         if self.backward_passes_per_step < 1:
-            raise ValueError("IMerge: backward_passes_per_step must be >= 1, "
-                             f"got {self.backward_passes_per_step}")
+            raise InvalidOption("backward_passes_per_step", "IMerge: backward_passes_per_step must be >= 1, "
+                                f"got {self.backward_passes_per_step}")
         for name in ("partition_bytes", "credit_bytes", "fusion_threshold_bytes"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"IMerge: {name} must be positive, got {getattr(self, name)}")
+                raise InvalidOption(name, f"IMerge: {name} must be positive, got {getattr(self, name)}")
         if self.tail_credit_bytes is not None and self.tail_credit_bytes <= 0:
-            raise ValueError(f"IMerge: tail_credit_bytes must be positive or None (off), got {self.tail_credit_bytes}")
+            raise InvalidOption("tail_credit_bytes", "IMerge: tail_credit_bytes must be positive or None (off), "
+                                f"got {self.tail_credit_bytes}")
         if self.timeout_s <= 0:
-            raise ValueError(f"IMerge: timeout_s must be positive, got {self.timeout_s}")
+            raise InvalidOption("timeout_s", f"IMerge: timeout_s must be positive, got {self.timeout_s}")
         if self.plan_search_budget_s is not None and self.plan_search_budget_s < 0:
-            raise ValueError(f"IMerge: plan_search_budget_s must be >= 0 or None, got {self.plan_search_budget_s}")
+            raise InvalidOption("plan_search_budget_s", "IMerge: plan_search_budget_s must be >= 0 or None, got "
+                                f"{self.plan_search_budget_s}")
         if self.polling not in ("auto", "spin", "yield"):
-            raise ValueError(f"IMerge: polling must be auto, spin or yield, got {self.polling!r}")
+            raise InvalidOption("polling", f"IMerge: polling must be auto, spin or yield, got {self.polling!r}")
         if self.join_divisor not in ("workers", "active"):
-            raise ValueError(f"IMerge: join_divisor must be workers or active, got {self.join_divisor!r}")
+            raise InvalidOption("join_divisor", "IMerge: join_divisor must be workers or active, got "
+                                f"{self.join_divisor!r}")
         if self.servers_per_host is not None and self.servers_per_host < 1:
-            raise ValueError(f"IMerge: servers_per_host must be >= 1 or None, got {self.servers_per_host}")
+            raise InvalidOption("servers_per_host", "IMerge: servers_per_host must be >= 1 or None, got "
+                                f"{self.servers_per_host}")
         if self.compression not in ("none", "fp16", "bf16"):
-            raise ValueError(f"IMerge: compression must be none, fp16 or bf16, got {self.compression!r}")
+            raise InvalidOption("compression", "IMerge: compression must be none, fp16 or bf16, got "
+                                f"{self.compression!r}")
 
     @property
     def traits(self) -> ScheduleTraits:
@@ -139,7 +158,7 @@ class Config:
     def from_env(cls, base: Config | None = None, **overrides: Any) -> Config:
         """Build a Config: ``overrides`` > ``IMERGE_*`` env vars > ``base`` > defaults."""
         values: dict[str, Any] = dataclasses.asdict(base) if base is not None else {}
-        overrides = {k: v for k, v in overrides.items() if v is not None}  # None means "not given"
+        overrides = given(overrides)
         known = {f.name: f for f in dataclasses.fields(cls)}
         for name in known:
             env = os.environ.get("IMERGE_" + name.upper())
@@ -149,10 +168,33 @@ class Config:
             if name not in known:
                 raise TypeError(f"IMerge: unknown config option {name!r}; known options: {', '.join(sorted(known))}")
             values[name] = value
-        return cls(**values)
+        try:
+            return cls(**values)
+        except InvalidOption as exc:  # name the env var the value came from
+            env = f"IMERGE_{exc.option.upper()}"
+            if exc.option in overrides or env not in os.environ:
+                raise
+            raise InvalidOption(exc.option, f"{exc} (from env var {env}={os.environ[env]!r})") from None
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def optional(name: str) -> bool:
+    """Whether None is a value of option ``name`` (off, no limit, to the end, as the schedule says)."""
+    field_type = _FIELD_TYPES.get(name)
+    return field_type is not None and "None" in str(field_type)
+
+
+def given(options: dict[str, Any]) -> dict[str, Any]:
+    """The options a caller gave. None where an option cannot be None is a front end's "not given"
+    (``schedule=None``); where it can, a keyword None means what it says (``tail_credit_bytes=None``:
+    off; ``plan_search_budget_s=None``: search to the end). Unknown names stay, to be refused."""
+    return {k: v for k, v in options.items() if v is not None or optional(k) or k not in _FIELD_TYPES}
 
 
 def _env_value(name: str, text: str, type_name: Any) -> Any:
@@ -180,3 +222,6 @@ def parse_value(text: str, type_name: Any) -> Any:
     if type_text.startswith("float"):
         return None if text.strip().lower() in ("", "none") and "None" in type_text else float(text)
     return text
+
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(Config)}

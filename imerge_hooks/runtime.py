@@ -13,7 +13,7 @@ from . import collectives, devices, handoff, polling, server_stages, session, to
 from ._mpi import MPI, ensure_initialized
 from .collectives import collective
 from .comm import CommThread
-from .config import Config
+from .config import Config, given
 from .errors import IMergeConfigError
 from .failure import abort, fatal_error, install_excepthooks, set_identity, whoami
 from .placement import check_layout, describe_layout
@@ -41,8 +41,8 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
     """
     if session.state.topology is not None:
         return
-    cfg = Config.from_env(num_servers=num_servers, **config)
-    session.state.explicit = {k: v for k, v in config.items() if v is not None}
+    cfg = Config.from_env(**({} if num_servers is None else {"num_servers": num_servers}), **config)
+    session.state.explicit = given(config)
     ensure_initialized()
     world = MPI.COMM_WORLD
     if world.Get_size() > 1:

@@ -8,6 +8,7 @@ from typing import Any
 
 from .comm import CommThread
 from .config import PROCESS_OPTIONS, Config
+from .config import given as config_given
 from .errors import IMergeConfigError, IMergeError
 from .topology import Topology
 
@@ -58,7 +59,7 @@ def engine_config(where: str, **options: Any) -> Config:
     ``init()``: passing one to an engine is an error that says so, not silently ignored.
     """
     config()
-    given = {k: v for k, v in options.items() if v is not None}
+    given = config_given(options)
     misplaced = sorted(given.keys() & PROCESS_OPTIONS)
     if misplaced:
         raise IMergeConfigError(f"IMerge: {', '.join(misplaced)}: process option(s) that {where} cannot change; "
@@ -67,7 +68,7 @@ def engine_config(where: str, **options: Any) -> Config:
 
 
 def init_option(name: str) -> Any:
-    """The value ``init()`` was given for engine option ``name`` (None: not given)."""
+    """The value ``init()`` was given for engine option ``name`` (None: not given, or given as None)."""
     return state.explicit.get(name)
 
 

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 import imerge_hooks
 from imerge_hooks import session
-from imerge_hooks.config import PROCESS_OPTIONS, Config
+from imerge_hooks.config import PROCESS_OPTIONS, Config, given
 from imerge_hooks.devices import gpu_index
 from imerge_hooks.errors import IMergeConfigError
 
@@ -79,7 +79,7 @@ class IMergeStrategy(ParallelStrategy):
     def __init__(self, num_servers: int | None = None, schedule: str | None = None, *,
                  accelerator: Any = None, checkpoint_io: Any = None, precision_plugin: Any = None,
                  broadcast_buffers: bool = True, **config: Any) -> None:
-        self._config = {k: v for k, v in dict(config, schedule=schedule).items() if v is not None}
+        self._config = given(dict(config, schedule=schedule))
         Config.from_env(**self._config)  # unknown options and bad values fail here, on every rank
         _check_num_servers(num_servers)
         self._num_servers = num_servers
