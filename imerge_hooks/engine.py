@@ -267,6 +267,7 @@ class GradientEngine:
         self.groups = groups
         self.views = views
         self._spare_views = spare
+        self.kinds = [(p.dtype, p.device) for p in self.params]  # what the buffers were built for
         self.group_arrived = [0] * len(groups)
         self.epoch = key_table.register_keys(self.client, [k for g in groups for k in g.keys],
                                            [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self.names, self.params)])
@@ -319,6 +320,8 @@ class GradientEngine:
                 "update was applied: this iteration used it through a path the first (synchronous) iterations "
                 "did not show and that is not a module attribute or parameters() (e.g. a reference kept in a "
                 "list). Pass overlap_forward=False for this model")
+        if param.dtype != self.kinds[i][0] or param.device != self.kinds[i][1]:
+            raise self._converted(i)
         if self.backward_started is None:
             self.backward_started = time.monotonic()
         view = self.views[i]
@@ -330,6 +333,16 @@ class GradientEngine:
             view.copy_(grad)
             param.grad = view
         self.gradient_ready(i)
+
+    def _converted(self, i: int) -> IMergeUsageError:
+        """Parameter ``i`` changed dtype or device since the layout was built (``model.double()``,
+        ``.half()``, ``.to(...)`` after the engine was made): its gradient buffer no longer fits it."""
+        p, (dtype, device) = self.params[i], self.kinds[i]
+        return IMergeUsageError(
+            f"IMerge worker {self.topo.worker_rank}: parameter {self.names[i]!r} changed from {dtype} on {device} "
+            f"to {p.dtype} on {p.device} after IMerge took it (model.double(), .half() or .to() after "
+            "DistributedOptimizer); IMerge's gradient buffers have the dtypes and devices the "
+            "parameters had then. Convert the model first, then wrap the optimizer")
 
     def accept(self, i: int, gradient: torch.Tensor) -> None:
         """Tensor ``i``'s gradient arrives as a tensor (the DDP hook's bucket): copy it in, count it."""

@@ -35,8 +35,8 @@ def test_mismatched_models_name_tensor_worker_and_server():
 
 @pytest.fixture(scope="module")
 def local_refusals():
-    """Misuse a worker's own checks refuse (no other rank involved): both cases in one job."""
-    return run_mpi(SCRIPT, 2, "int_param,zero_grad_in_flight", servers=1, timeout=60)
+    """Misuse a worker's own checks refuse (no other rank involved): the cases share one job."""
+    return run_mpi(SCRIPT, 2, "int_param,zero_grad_in_flight,dtype_change", servers=1, timeout=60)
 
 
 def case_lines(run, case: str) -> str:
@@ -54,3 +54,12 @@ def test_zero_grad_while_pushing_is_refused(local_refusals):
     # Either the push already finished (then zero_grad is legal) or the user is told what to do.
     assert "NO ERROR" in text or "zero_grad() called while gradients are being pushed" in text, \
         local_refusals.stdout[-3000:]
+
+
+def test_a_parameter_converted_after_wrapping_is_named(local_refusals):
+    """``model.double()`` after ``DistributedOptimizer``: an IMerge error naming the parameter, not
+    torch's autograd dtype error from inside the engine."""
+    text = case_lines(local_refusals, "dtype_change")
+    assert "ERROR IMergeUsageError" in text and "'1.bias' changed from torch.float32 on cpu to torch.float64" in text, \
+        local_refusals.stdout[-3000:]
+    assert "Convert the model first" in text

@@ -1,7 +1,7 @@
 """Misuse cases; each must end with a clear exception on the affected workers, never a hang.
 
-Usage: python bad_input.py CASE[,CASE...]   (CASE: too_many_servers | mismatch | int_param | zero_grad_in_flight;
-several cases run in turn in one job, each line says its case; exit code 3 if any raised)
+Usage: python bad_input.py CASE[,CASE...]   (CASE: too_many_servers | mismatch | int_param | zero_grad_in_flight
+| dtype_change; several cases run in turn in one job, each line says its case; exit code 3 if any raised)
 """
 
 import sys
@@ -34,6 +34,16 @@ def run(case: str) -> None:
         model(torch.ones(1, 4)).sum().backward()
         opt.zero_grad()
         opt.step()
+    elif case == "dtype_change":  # the model is converted after the optimizer was wrapped
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        opt = imh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=model.named_parameters())
+        for step in range(4):
+            if step == 2:
+                model.double()
+            opt.zero_grad()
+            model(torch.ones(2, 4, dtype=next(model.parameters()).dtype)).sum().backward()
+            opt.step()
 
 
 failed = False
