@@ -4,21 +4,15 @@ scripts ask about. The tensor collectives are ``horovod_api``'s."""
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import os
-import sys
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from . import runtime, session, worker_join
-from ._mpi import MPI
-from .collectives import collective
+from . import session, worker_join
 from .errors import IMergeConfigError
-from .runtime import shutdown
+from .runtime import init, shutdown
 
-__all__ = ["shutdown"]
+__all__ = ["init", "shutdown"]
 
 
 def is_server() -> bool:
@@ -96,60 +90,7 @@ def join(device: int = -1) -> int:
     return worker_join.join()
 
 
-# ---------------------------------------------------------------------- start-up and information
-_cross: tuple[int, int, bool] | None = None  # (cross_rank, cross_size, homogeneous)
-
-
-def init(num_servers: int | None = None, *, serve: str = "forever", **config: Any) -> None:
-    """``runtime.init`` (collective over COMM_WORLD: servers serve there and exit), then on the workers
-    the host layout behind ``cross_rank()``/``cross_size()`` (a worker collective), so those are local.
-
-    A server's process ends in here once its workers are done, even under a test runner: unittest
-    (and pytest running it) catches the ``SystemExit`` that ends a server, and would go on to run
-    the rest of the suite on the server (``mpiexec -n W+S pytest``, as Horovod's suites run).
-    """
-    try:
-        runtime.init(num_servers, serve=serve, **config)
-    except SystemExit as done:
-        if session.is_initialized() and session.topology().is_server:
-            _end_server_process(done.code if isinstance(done.code, int) else 0)
-        raise
-    if not session.topology().is_server:
-        _host_layout()
-
-
-def _end_server_process(code: int) -> NoReturn:
-    """What the interpreter's exit does (atexit handlers, flushed streams, MPI_Finalize, C ``exit``).
-
-    C ``exit``, not ``os._exit``: MPICH's process manager sometimes takes a process that ``_exit``s
-    right after MPI_Finalize for a crashed one; it then kills the other ranks and the job's exit
-    status is lost (measured: 9 or 0 where the workers exited 1, in about one launch in three).
-    """
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.Finalize()
-    ctypes.CDLL(None).exit(code)
-    os._exit(code)  # not reached
-
-
-def _host_layout() -> tuple[int, int, bool]:
-    """Cross rank/size (workers with this local rank, one per host) and homogeneity; a worker
-    collective the first time (``init()`` does it, so the info functions are local afterwards)."""
-    global _cross
-    if _cross is None:
-        topo = session.topology()
-        ranks = collective(topo.worker_comm, "allgather", (topo.local_rank, topo.local_size),
-                           "the workers' local ranks (cross_rank, cross_size)")
-        peers = [r for r, (local, _) in enumerate(ranks) if local == topo.local_rank]
-        _cross = (peers.index(topo.worker_rank), len(peers), len({size for _, size in ranks}) == 1)
-    return _cross
-
-
+# ---------------------------------------------------------------------- information
 def is_initialized() -> bool:
     """Whether ``init()`` has run in this process."""
     return session.is_initialized()
@@ -157,17 +98,17 @@ def is_initialized() -> bool:
 
 def cross_rank() -> int:
     """This worker's host index among the hosts with a worker of its local rank (Horovod's cross rank)."""
-    return _host_layout()[0]
+    return session.topology().cross[0]
 
 
 def cross_size() -> int:
     """How many hosts have a worker with this worker's local rank (the number of hosts, when homogeneous)."""
-    return _host_layout()[1]
+    return session.topology().cross[1]
 
 
 def is_homogeneous() -> bool:
     """Whether every host runs the same number of workers."""
-    return _host_layout()[2]
+    return session.topology().cross[2]
 
 
 def mpi_threads_supported() -> bool:

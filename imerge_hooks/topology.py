@@ -108,6 +108,17 @@ class Topology:
         pushers = {h: 1 if self.aggregate_in_host else len(self.workers_on(h)) for h in self.worker_hosts}
         return Placement(self.num_servers, self.server_hosts, pushers)
 
+    @functools.cached_property
+    def cross(self) -> tuple[int, int, bool]:
+        """Horovod's cross rank and cross size (the workers with this worker's local rank, one per host,
+        in rank order) and whether every host holds as many workers: read off the hosts, no collective."""
+        if not self.hosts:
+            return 0, 1, True
+        local = {rank: i for host in self.worker_hosts for i, rank in enumerate(self.workers_on(host))}
+        peers = [rank for rank in range(self.num_workers) if local[rank] == self.local_rank]
+        homogeneous = len({len(self.workers_on(host)) for host in self.worker_hosts}) == 1
+        return (peers.index(self.world_rank) if self.world_rank in peers else 0), len(peers), homogeneous
+
     def describe_rank(self, rank: int) -> str:
         """``worker 3 (host a)``: a world rank as messages name it."""
         role = f"server {rank - self.num_workers}" if rank >= self.num_workers else f"worker {rank}"
