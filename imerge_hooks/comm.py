@@ -24,7 +24,7 @@ from .errors import IMergeError, IMergeTimeoutError
 from .group import Group
 from .layout import key_owner
 from .polling import Backoff
-from .schedule import Credit, ReadyQueue, SchedulePolicy, key_slots
+from .schedule import Flow, Flows, SchedulePolicy, key_slots
 from .wire import ROUND_TAGS, TAG_ERROR, TAG_HOST_SHUTDOWN, PendingRequests, key_tag, split_key_tag
 
 log = logging.getLogger("imerge")
@@ -38,6 +38,7 @@ SERVER_FIRST_S = 3.0
 class _Task:
     group: Group
     slot: int  # index into group.keys
+    flow: Flow  # its engine's ready queue and credit
     priority: int = 0  # the schedule's priority of its group (0 without priority)
     buffer: list | None = None  # what to push, when not the group's own bytes (the host's sum)
 
@@ -98,6 +99,7 @@ class CommThread:
         self._error: BaseException | None = None
         self._remaining: dict[int, int] = {}  # id(group) -> keys not finished
         self._active: dict[int, Group] = {}  # id(group) -> group, while submitted and not done
+        self._flows = Flows()  # each engine's ready keys and credit (comm thread only)
         self._thread = threading.Thread(target=self._run, name="imerge-comm", daemon=True)
         self._stopped = threading.Event()
         self._wake = threading.Event()  # set by submit()/stop(): ends the comm thread's back-off sleep
@@ -148,25 +150,24 @@ class CommThread:
         """The thread's loop. Its steps are methods, so that no local variable of this frame keeps
         the last group, task or request alive after the engine that owns it is gone."""
         adopt_bound_device()  # the copy streams' device, for groups on CUDA
-        ready = ReadyQueue()
+        flows = self._flows
         inflight: dict[int, _InFlight] = {}  # id(op) -> op
         # Pushes to one server complete in order; results come back roughly in push order.
         sends = PendingRequests(window=4 * self.num_servers)
         recvs = PendingRequests(window=8 * self.num_servers)
-        credit = Credit(None)
         backoff = Backoff(sleep=self._nap)
         last_check = time.monotonic()
         try:
             while True:
                 # 1. take new groups
-                if not self._take_groups(ready, credit, block=not ready and not inflight and not self._local_ops):
+                if not self._take_groups(flows, block=not flows.waiting and not inflight and not self._local_ops):
                     self._stopped.set()
                     return
-                # 2. start tasks within the credit; 3. complete what finished
-                progressed = self._start_ready(ready, credit, inflight, sends, recvs)
-                progressed = self._retire_done(credit, inflight, sends, recvs) or progressed
+                # 2. start tasks within their engine's credit; 3. complete what finished
+                progressed = self._start_ready(flows, inflight, sends, recvs)
+                progressed = self._retire_done(inflight, sends, recvs) or progressed
                 if self._local_ops:
-                    progressed = self._retire_local(ready) or progressed
+                    progressed = self._retire_local() or progressed
                 # 4. errors from servers and timeouts
                 now = time.monotonic()
                 if now - last_check > 0.2:
@@ -195,7 +196,7 @@ class CommThread:
             _run_callbacks(group, error)
         self._stopped.set()
 
-    def _take_groups(self, ready: ReadyQueue, credit: Credit, block: bool) -> bool:
+    def _take_groups(self, flows: Flows, block: bool) -> bool:
         """Expand the submitted groups into tasks (waiting for one if ``block``); False on stop()."""
         while block or not self._queue.empty():
             try:
@@ -206,26 +207,27 @@ class CommThread:
             if item is None:
                 return False
             group, policy = item
-            credit.configure(policy.credit_bytes, policy.tail_credit_bytes)
+            flow = flows.of(policy)
             if group.tail_keys:
-                credit.begin_tail(group.tail_keys)
-            self._expand(group, policy, ready)
+                flow.credit.begin_tail(group.tail_keys)
+            self._expand(group, flow)
         return True
 
-    def _start_ready(self, ready: ReadyQueue, credit: Credit, inflight: dict[int, _InFlight],
-                     sends: PendingRequests, recvs: PendingRequests) -> bool:
-        """Start every task the credit allows; True if any started."""
+    def _start_ready(self, flows: Flows, inflight: dict[int, _InFlight], sends: PendingRequests,
+                     recvs: PendingRequests) -> bool:
+        """Start every task its engine's credit allows; True if any started."""
         started = False
-        while ready and (task := ready.take(credit)) is not None:
+        while (next_task := flows.take()) is not None:
+            flow, task = next_task
             op = self._start(task)
             inflight[id(op)] = op
             sends.add(op.send, op)
             recvs.add(op.recv, op)
-            credit.started(task.nbytes)
+            flow.credit.started(task.nbytes)
             started = True
         return started
 
-    def _retire_done(self, credit: Credit, inflight: dict[int, _InFlight], sends: PendingRequests,
+    def _retire_done(self, inflight: dict[int, _InFlight], sends: PendingRequests,
                      recvs: PendingRequests) -> bool:
         """Account for finished pushes and results (one progress call per kind); True if any."""
         progressed = False
@@ -233,6 +235,7 @@ class CommThread:
             # Credit comes back when the push is delivered, not when the result is: the
             # server always drains pushes, so credit never waits on another worker.
             op.send_done = True
+            credit = op.task.flow.credit
             credit.delivered(op.task.nbytes)
             if op.task.group.urgent:
                 credit.urgent_delivered()
@@ -274,7 +277,7 @@ class CommThread:
         for peer, request in zip(peers, requests):
             self._local.add(request, (op, peer))
 
-    def _retire_local(self, ready: ReadyQueue) -> bool:
+    def _retire_local(self) -> bool:
         """Advance the host's operations whose requests finished (one progress call); True if any."""
         finished = self._local.completed(full=True)
         for op, peer in finished:
@@ -286,7 +289,7 @@ class CommThread:
             task = op.task
             if op.kind == "gather":  # the host's sum is ready: it waits for credit like any push
                 task.buffer = task.group.add_contributions(task.slot, len(op.peers))
-                ready.add(task, task.nbytes, task.priority, task.group.urgent)
+                task.flow.ready.add(task, task.nbytes, task.priority, task.group.urgent)
             else:
                 self._finish(task, op.started)
         return bool(finished)
@@ -359,20 +362,23 @@ class CommThread:
         if self._wake.wait(seconds):
             self._wake.clear()
 
-    def _expand(self, group: Group, policy: SchedulePolicy, ready: ReadyQueue) -> None:
-        """One task per key; with host aggregation, keys this worker owns wait for its host's gradients
-        first, and the others go to their owner on this host instead of a server."""
+    def _expand(self, group: Group, flow: Flow) -> None:
+        """One task per key, in ``flow`` (its engine's); with host aggregation, keys this worker owns wait
+        for its host's gradients first, and the others go to their owner on this host instead of a server."""
+        policy = flow.policy
         slots = key_slots([k.server for k in group.keys], self.rank, self.num_servers, policy.stagger)
         self._remaining[id(group)] = len(slots)
         self._active[id(group)] = group
+        flow.keys += len(slots)
         if not slots:
+            self._flows.finished(flow, 0)
             self._complete(group)
             return
         prio = group.priority if policy.priority else 0
         for slot in slots:
-            task = _Task(group, slot, prio)
+            task = _Task(group, slot, flow, prio)
             if self.host_size == 1:
-                ready.add(task, task.nbytes, prio, group.urgent)
+                flow.ready.add(task, task.nbytes, prio, group.urgent)
             elif key_owner(group.keys[slot].key, self.host_size) == self.local_rank:
                 self._start_local(task, "gather")
             else:
@@ -401,6 +407,7 @@ class CommThread:
     def _finish(self, task: _Task, started: float) -> None:
         group = task.group
         group.unpack(task.slot)
+        self._flows.finished(task.flow)
         if self.on_event is not None:
             self.on_event("done", group, task.slot, started, time.monotonic())
         left = self._remaining[id(group)] - 1

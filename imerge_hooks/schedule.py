@@ -66,9 +66,6 @@ class Credit:
         self.urgent_left = 0  # > 0: in the tail, urgent keys not yet delivered (see the module doc)
         self.in_flight = 0  # pushed, not yet delivered
 
-    def configure(self, credit_bytes: int | None, tail_credit_bytes: int | None = None) -> None:
-        self.credit, self.tail_credit = credit_bytes, tail_credit_bytes
-
     @property
     def in_tail(self) -> bool:
         return self.urgent_left > 0 and self.tail_credit is not None
@@ -117,6 +114,55 @@ class ReadyQueue:
             return None
         heapq.heappop(self._heap)
         return item
+
+
+class Flow:
+    """One engine's flow control: its keys waiting to be pushed, in its schedule's order, and its
+    credit. Engines on different schedules (two optimizers, the DDP hook beside an optimizer) share
+    a worker's comm thread, not their credit: each is held to its own schedule's window."""
+
+    def __init__(self, policy: SchedulePolicy) -> None:
+        self.policy = policy
+        self.ready = ReadyQueue()
+        self.credit = Credit(policy.credit_bytes, policy.tail_credit_bytes)
+        self.keys = 0  # keys taken in and not finished
+
+
+class Flows:
+    """A worker's flows, one per engine policy (an engine's ``SchedulePolicy`` object; a new policy,
+    after ``set_policy``, is a new flow while the old one drains)."""
+
+    def __init__(self) -> None:
+        self._by_policy: dict[int, Flow] = {}  # id(policy) -> its flow, which holds the policy alive
+
+    def of(self, policy: SchedulePolicy) -> Flow:
+        flow = self._by_policy.get(id(policy))
+        if flow is None:
+            flow = self._by_policy[id(policy)] = Flow(policy)
+        return flow
+
+    def __iter__(self):
+        return iter(list(self._by_policy.values()))
+
+    @property
+    def waiting(self) -> bool:
+        """Whether any key waits for credit."""
+        return any(flow.ready for flow in self._by_policy.values())
+
+    def take(self) -> Any:
+        """The next (flow, key) that a flow's credit lets go now, or None; the credit counts it started
+        with ``flow.credit.started`` by the caller."""
+        for flow in self._by_policy.values():
+            item = flow.ready.take(flow.credit)
+            if item is not None:
+                return flow, item
+        return None
+
+    def finished(self, flow: Flow, keys: int = 1) -> None:
+        """``keys`` of ``flow`` are done; a flow with nothing left is forgotten."""
+        flow.keys -= keys
+        if flow.keys <= 0 and not flow.ready and self._by_policy.get(id(flow.policy)) is flow:
+            del self._by_policy[id(flow.policy)]
 
 
 def tail_start_group(group_ready_s: Sequence[float], window_s: float) -> int | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imerge_hooks.schedule import Credit, ReadyQueue, tail_start_group
+from imerge_hooks.schedule import Credit, Flows, ReadyQueue, SchedulePolicy, tail_start_group
 
 
 def test_credit_counts_bytes_until_delivery():
@@ -84,3 +84,37 @@ def test_tail_starts_one_window_before_the_last_group():
     assert tail_start_group(ready, 0.0) == 5  # the last group starts its own tail
     assert tail_start_group(ready, 5.0) == 0
     assert tail_start_group([], 1.0) is None
+
+
+def test_each_engine_keeps_its_own_credit():
+    """Two engines on one comm thread: a later group of the unlimited one does not lift the windowed
+    one's credit for keys already queued, and neither blocks the other."""
+    windowed, unlimited = SchedulePolicy(priority=True, credit_bytes=8), SchedulePolicy()
+    flows = Flows()
+    a = flows.of(windowed)
+    for name in ("a1", "a2", "a3"):
+        a.ready.add(name, 4, 0)
+    a.keys += 3
+    b = flows.of(unlimited)  # the hook's group, submitted after the optimizer's
+    b.ready.add("b1", 100, 0)
+    b.keys += 1
+    started = []
+    while (taken := flows.take()) is not None:
+        flow, key = taken
+        flow.credit.started(100 if key == "b1" else 4)
+        started.append(key)
+    assert started == ["a1", "a2", "b1"]  # a3 waits for a's credit (8 bytes), b1 goes
+    assert flows.of(windowed) is a and a.credit.in_flight == 8
+    a.credit.delivered(4)
+    assert flows.take() == (a, "a3")
+
+
+def test_a_drained_flow_is_forgotten():
+    policy = SchedulePolicy(credit_bytes=8)
+    flows = Flows()
+    flow = flows.of(policy)
+    flow.ready.add("k", 4, 0)
+    flow.keys += 1
+    assert flows.take() == (flow, "k")
+    flows.finished(flow)
+    assert list(flows) == [] and flows.of(policy) is not flow
