@@ -15,7 +15,7 @@ import torch
 
 from .topology import Topology
 
-log = logging.getLogger("imerge_hooks")
+log = logging.getLogger("imerge")
 
 _bound: int | None = None  # the CUDA device init() bound this worker to
 _direct = False  # device buffers go to MPI directly (CUDA-aware MPI, see configure)
