@@ -14,7 +14,7 @@ from .gates import AccessGuard
 from .layout import link_bytes
 from .plan import calibrate
 from .plan.choice import choose_plan, cluster_for, model_spec_from_profile
-from .plan.costmodel import PSModel, extend_table, planner_model
+from .plan.costmodel import LinearModel, PSModel, extend_table, planner_model
 from .plan.planner import plan as plan_groups
 from .plan.search import SearchBudgetSpent
 from .polling import Backoff
@@ -25,7 +25,7 @@ __all__ = [
     "SCHEDULE_TRAITS", "parse_value", "SchedulePolicy",  # what a schedule does; A/B of its policy fields
     "AccessGuard",  # the overlap's parameter guard (its cost per access)
     "link_bytes",  # bytes per link of a key layout
-    "calibrate", "PSModel", "extend_table", "planner_model",  # the PS cost model
+    "calibrate", "LinearModel", "PSModel", "extend_table", "planner_model",  # the cost models
     "choose_plan", "cluster_for", "model_spec_from_profile", "plan_groups", "SearchBudgetSpent",  # plan choice
     "Backoff",  # polled waits that do not spin a shared core
     "session", "collectives", "handoff", "server_stages",  # a started process: topology, waits, stages

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import time
 
 import pytest
 
@@ -200,12 +199,11 @@ def test_unknown_method_lists_valid_ones():
 
 
 @pytest.mark.parametrize("name", ["linear", "ps"])
-def test_optimal_is_fast_for_500_tensors(name):
+def test_optimal_plans_500_tensors(name):
+    """A valid plan at a real model's tensor count (its time: ``benchmarks/planner_dp.py``)."""
     rng = random.Random(3)
     sizes = [float(rng.randint(KiB, 8 * MiB)) for _ in range(500)]
     ready = [i * 2e-4 for i in range(500)]
-    t0 = time.perf_counter()
     p = plan(sizes, ready, MODELS[name], "optimal")
-    elapsed = time.perf_counter() - t0
     check_valid(p, 500)
-    assert elapsed < 1.0, elapsed
+    assert p.predicted_end <= plan(sizes, ready, MODELS[name], "none").predicted_end + 1e-12

@@ -1,7 +1,6 @@
 """What used to give wrong parameters silently (exit code 0) trains as torch does, or fails naming the cause."""
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -63,12 +62,12 @@ def test_model_mismatch_names_the_tensor_and_workers(silent_run, case, words):
 
 
 def test_worker_that_skips_a_backward_is_named_at_once():
-    start = time.monotonic()
-    run = run_mpi(SCRIPTS / "skipped_backward.py", 3, servers=1, timeout=120)
-    elapsed = time.monotonic() - start
+    """At its next push, not at a deadline: IMerge's timeout (600 s) outlasts the launch's, which would kill
+    the job and fail the test, and no timeout is what ended it."""
+    run = run_mpi(SCRIPTS / "skipped_backward.py", 3, servers=1, timeout=120, env={"IMERGE_TIMEOUT_S": "600"})
     assert run.returncode != 0
+    assert "IMergeTimeoutError" not in run.stderr and "timed out" not in run.stderr, run.stderr[-3000:]
     assert "finished without noticing" not in run.stdout
     # Named by the server (each worker pushes) or, with host aggregation (one host here), by a worker of its host.
     assert re.search(r"worker 1 pushed|worker 1 \(host [^)]*\)", run.stderr) and "out of step" in run.stderr, \
         run.stderr[-3000:]
-    assert elapsed < 40, elapsed
