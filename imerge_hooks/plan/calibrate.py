@@ -13,9 +13,11 @@ the next size would overrun the budget, and extends the table along the measured
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -29,6 +31,7 @@ from ..group import Group
 from ..layout import CALIBRATION_GRID, calibration_keys
 from ..schedule import SchedulePolicy
 from ..wire import KeySpec
+from .cache_files import integer, is_number, number, read_checked, record, require
 from .costmodel import PSModel, extend_table
 
 log = logging.getLogger("imerge")
@@ -165,6 +168,9 @@ def measure(sizes: list[int] | None = None, budget_s: float | None = None) -> PS
 
 # A cached model older than this is measured again: links, firmware and neighbours change.
 CACHE_MAX_AGE_DAYS = 30.0
+# How far a cached model's time of measurement may lie ahead of this host's clock (hosts that share a
+# cache folder disagree a little); further ahead its age is unknown, and the model is measured again.
+CLOCK_SKEW_S = 300.0
 # Environment prefixes that choose or tune the MPI transport: a cached model measured under others
 # describes another network path.
 TRANSPORT_ENV = ("MPIR_CVAR_", "FI_", "UCX_", "OMPI_MCA_", "I_MPI_", "PSM2_", "MV2_")
@@ -200,34 +206,80 @@ def cache_problem(model: PSModel, fingerprint: dict[str, Any], now: float) -> st
     if not model.cluster:
         return "it does not say which cluster it was measured on"
     differ = [k for k in fingerprint if model.cluster.get(k) != fingerprint[k]]
+    differ += [str(k) for k in model.cluster if k not in fingerprint]
     if differ:
         return f"it was measured on another cluster (differs in: {', '.join(differ)})"
-    age_days = (now - float(model.created or 0.0)) / 86400.0
+    if not is_number(model.created) or model.created <= 0:
+        return f"it does not say when it was measured (created: {model.created!r})"
+    if model.created > now + CLOCK_SKEW_S:
+        return (f"it says it was measured {(model.created - now) / 86400.0:.2f} days in the future, "
+                "so its age is unknown")
+    age_days = (now - model.created) / 86400.0
     if age_days > CACHE_MAX_AGE_DAYS:
         return f"it is {age_days:.0f} days old (limit {CACHE_MAX_AGE_DAYS:g})"
     return None
 
 
+_MODEL_FIELDS = (*(f.name for f in dataclasses.fields(PSModel)), "kind")
+
+
+def check_model_file(data: Any, fingerprint: dict[str, Any], now: float) -> PSModel:
+    """The model in a cost-model cache file, if it is what a calibration of this cluster writes
+    (:func:`measure`, then :func:`load_or_calibrate`) and passes :func:`cache_problem`; else
+    :class:`~.cache_files.UnusableCacheFile` says why.
+
+    Sizes are a leading part of the calibration grid, times finite and positive, ``a`` and
+    ``bandwidth`` the fit of that table, ``hosts`` the workers' hosts of the fingerprint.
+    """
+    record(data, "the file", _MODEL_FIELDS)
+    require(data["kind"] == "PSModel", f"kind is {data['kind']!r}, not 'PSModel'")
+    integer(data["workers"], "workers", 1)
+    integer(data["servers"], "servers", 1)
+    sizes, times = data["sizes"], data["times"]
+    require(isinstance(sizes, list) and sizes and sizes == DEFAULT_GRID[:len(sizes)],
+            "sizes are not a leading part of the calibration grid")
+    require(isinstance(times, list) and len(times) == len(sizes) and all(is_number(t) and t > 0 for t in times),
+            f"times are not {len(sizes)} finite, positive numbers")
+    integer(data["measured"], "measured", 1, len(sizes))
+    number(data["a"], "a")
+    number(data["bandwidth"], "bandwidth")
+    require(isinstance(data["hosts"], list) and all(isinstance(h, str) for h in data["hosts"]),
+            "hosts are not a list of host names")
+    require(isinstance(data["cluster"], dict), "cluster is not an object")
+    number(data["created"], "created")
+    model = PSModel.from_dict(data)
+    problem = cache_problem(model, fingerprint, now)
+    require(problem is None, problem or "")
+    fitted = PSModel.fit(model.workers, model.servers, model.sizes, model.times)
+    require(math.isclose(model.a, fitted.a, rel_tol=1e-6, abs_tol=1e-12)
+            and math.isclose(model.bandwidth, fitted.bandwidth, rel_tol=1e-6),
+            f"a={model.a:g} and bandwidth={model.bandwidth:g} are not the fit of its table "
+            f"(a={fitted.a:g}, bandwidth={fitted.bandwidth:g})")
+    worker_hosts = sorted(set(fingerprint["hosts"][:fingerprint["workers"]]))
+    require(model.hosts == worker_hosts, f"hosts {model.hosts} are not the workers' hosts {worker_hosts}")
+    return model
+
+
+def read_cached_model(path: str, fingerprint: dict[str, Any], now: float,
+                      instead: str = "calibrating again") -> PSModel | None:
+    """The model cached at ``path`` if :func:`check_model_file` passes; else None, and a file that
+    fails is set aside with one warning (``cache_files.read_checked``)."""
+    return read_checked(path, "cost model cache", lambda data: check_model_file(data, fingerprint, now), instead)
+
+
 def load_or_calibrate() -> PSModel:
     """The cached PS model for this cluster (``cluster_fingerprint``), measuring and caching it if
-    there is none, or if the cached one fails :func:`cache_problem` (one log line says why)."""
+    there is none, or if the cached one fails :func:`check_model_file` (set aside, one warning says why).
+    Worker 0 alone reads the file; the others receive what it found, so all use the same model."""
     cfg = session.config()
     topo = session.topology()
     cached = path = fingerprint = None
     if topo.worker_rank == 0:
         fingerprint = cluster_fingerprint()
         path = cache_path(cfg.cost_model_path, fingerprint)
-        if os.path.exists(path):
-            try:
-                model = PSModel.from_json(path)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("IMerge: ignoring unreadable cost model cache %s (%s)", path, exc)
-            else:
-                problem = cache_problem(model, fingerprint, time.time())
-                if problem is None:
-                    cached = model.to_dict()
-                else:
-                    log.warning("IMerge: not using the cached cost model %s: %s; calibrating again", path, problem)
+        model = read_cached_model(path, fingerprint, time.time(),
+                                  "calibrating again" if cfg.calibrate else "calibrate=False forbids measuring it")
+        cached = None if model is None else model.to_dict()
     cached, path = collectives.collective(topo.worker_comm, "bcast", (cached, path), "worker 0's cached PS cost model")
     if cached is not None:
         return PSModel.from_dict(cached)

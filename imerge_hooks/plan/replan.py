@@ -8,7 +8,7 @@ import logging
 from .. import handoff, session, streams
 from ..schedule import tail_group
 from .background import BackgroundSearch
-from .cache import load_plan, plan_key, plan_path, store_plan
+from .cache import load_plan, plan_fit, plan_key, plan_path, store_plan
 from .choice import choose_plan
 from .costmodel import CostModel, LinearModel, planner_model
 from .planner import Plan, plan
@@ -104,7 +104,7 @@ class Replanner:
             key = plan_key(table, cfg, topo.num_workers, topo.num_servers, topo.host_indices,
                            topo.aggregate_in_host, self.model)
             self.cache_entry = (plan_path(session.config().cost_model_path, key), key)
-            kept = load_plan(*self.cache_entry)
+            kept = load_plan(*self.cache_entry, plan_fit(table, cfg))
             if kept is not None:
                 log.info("IMerge: %s plan from the plan cache %s (no search)", self.method, self.cache_entry[0])
                 return (*kept, False)
