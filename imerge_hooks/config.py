@@ -12,7 +12,8 @@ from typing import Any
 # option belongs to one engine (DistributedOptimizer, IMergeHookState, IMergeStrategy's optimizers).
 PROCESS_OPTIONS = frozenset({"num_servers", "timeout_s", "stall_warning_s", "polling", "cost_model_path",
                              "calibrate", "timeline", "debug_delay_per_mb_s", "host_aggregation",
-                             "servers_per_host", "share_gpus", "cuda_aware_mpi", "master_interface"})
+                             "servers_per_host", "share_gpus", "cuda_aware_mpi", "master_interface",
+                             "torch_store"})
 SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
 
 
@@ -103,8 +104,13 @@ class Config:
     # MPIX_Query_cuda_support; False: always stage through pinned host memory)
     cuda_aware_mpi: bool | None = None
     # The interface whose address is the workers' torch.distributed rendezvous when workers span hosts
-    # (as GLOO_SOCKET_IFNAME; MASTER_ADDR overrides it). None: the address sharing a network with every host.
+    # (as GLOO_SOCKET_IFNAME; MASTER_ADDR overrides it). None: worker 0's first address every other host
+    # reaches and no other host holds (rendezvous.choose_address).
     master_interface: str | None = None
+    # Worker 0 serves the workers' torch.distributed store (an unauthenticated TCPStore on the rendezvous
+    # address) and torchrun's variables are set, for DDP, Lightning and torchrun-style scripts. False: no
+    # store is opened; a script that uses torch.distributed initialises it itself.
+    torch_store: bool = True
     # For tests: engines record (event, module, time, detail) of the overlap in ``engine.events``;
     # servers hold every result this many seconds per MB (not calibration keys) before sending it.
     record_events: bool = False

@@ -89,9 +89,10 @@ def init(num_servers: int | None = None, *, serve: str = "forever", **config: An
         if serve == "forever":
             _serve_then_end_process()
         return
-    session.state.master = torch_world.agree_master_address_port(topo)
-    if topo.world_size > 1:  # launched as a job; `python train.py` alone stays a plain single process
-        torch_world.export_torch_env()
+    if cfg.torch_store:
+        session.state.master = torch_world.agree_master_address_port(topo)
+        if topo.world_size > 1:  # launched as a job; `python train.py` alone stays a plain single process
+            torch_world.export_torch_env()
     if topo.num_servers > 0:
         on_event = _timeline_comm_event if session.state.timeline is not None else None
         session.state.comm_thread = CommThread(topo.data_comm, topo.worker_rank, topo.num_workers,

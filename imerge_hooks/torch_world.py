@@ -89,9 +89,15 @@ def worker_group():
 def master_address_port() -> tuple[str, int]:
     """Worker 0's address and the port of its store: the workers' torch.distributed rendezvous,
     agreed by all workers in ``init()`` (``rendezvous``)."""
-    session.topology()
-    if session.state.master is None:
+    topo = session.topology()
+    if topo.is_server:
         raise IMergeUsageError("IMerge: servers have no torch.distributed rendezvous (workers only)")
+    if session.state.master is None:
+        raise IMergeConfigError(
+            f"IMerge worker {topo.worker_rank}: the workers' torch.distributed store is off (torch_store=False, "
+            "IMERGE_TORCH_STORE=0), so IMerge has no rendezvous to offer: initialise torch.distributed yourself "
+            "(init_process_group with your own MASTER_ADDR and MASTER_PORT, over the workers only) before "
+            "worker_group(), the DDP hook or Lightning, or leave torch_store on")
     return session.state.master
 
 
@@ -101,7 +107,7 @@ def agree_master_address_port(topo: Topology) -> tuple[str, int]:
     Worker 0 chooses the address (``rendezvous``), listens on it and serves the store; its error,
     if any, goes to every worker, so none waits for a rendezvous that will not come."""
     spans = len(topo.worker_hosts) > 1
-    own = rendezvous.interfaces() if spans else []
+    own: rendezvous.Report = (rendezvous.network_stack(), rendezvous.interfaces()) if spans else (None, [])
     reports = collective(topo.worker_comm, "gather", own, "the workers' network interfaces") if spans else None
     value: tuple = (None, None, None)
     if topo.worker_rank == 0:
@@ -114,21 +120,27 @@ def agree_master_address_port(topo: Topology) -> tuple[str, int]:
         raise IMergeConfigError(error if topo.worker_rank == 0 else f"IMerge worker {topo.worker_rank}: worker 0 "
                                 f"could not set up the rendezvous: {error}")
     if spans and "GLOO_SOCKET_IFNAME" not in os.environ:
-        name = rendezvous.interface_towards(address, own)
+        name = rendezvous.interface_towards(address, own[1])
         if name is not None:
             os.environ["GLOO_SOCKET_IFNAME"] = name
     return address, port
 
 
-def _serve_rendezvous(topo: Topology, spans: bool, own: list, reports: list | None) -> tuple[str, int]:
+def _serve_rendezvous(topo: Topology, spans: bool, own: rendezvous.Report,
+                      reports: list | None) -> tuple[str, int]:
     """Worker 0: the address (``MASTER_ADDR``, ``master_interface`` or chosen) and a store listening on it.
-    ``reports``: every worker's interfaces where workers span hosts (one worker per other host is asked)."""
+    ``reports``: every worker's network stack and interfaces where workers span hosts (one worker per
+    other host is asked)."""
+    others = rendezvous.other_hosts(own[0], {host: reports[topo.workers_on(host)[0]] for host in topo.worker_hosts
+                                             if host != topo.host}) if reports else {}
     if os.environ.get("MASTER_ADDR"):
-        address = rendezvous.check_address(os.environ["MASTER_ADDR"], spans, "MASTER_ADDR")
+        text = os.environ["MASTER_ADDR"]
+        address = rendezvous.check_address(text, spans, "MASTER_ADDR")
+        rendezvous.refuse_held_elsewhere(address, list(others.values()), list(others), f"MASTER_ADDR={text!r}")
+        log.info("IMerge worker 0: torch.distributed rendezvous on %s: MASTER_ADDR=%r", address, text)
     else:
-        others = [reports[topo.workers_on(host)[0]] for host in topo.worker_hosts if host != topo.host] \
-            if reports else []
-        address = rendezvous.choose_address(own, others, session.config().master_interface, spans)
+        address = rendezvous.choose_address(own[1], list(others.values()), session.config().master_interface, spans,
+                                            names=list(others))
         address = rendezvous.check_address(address, spans, "the chosen address")
     port = 0
     if os.environ.get("MASTER_PORT"):
