@@ -16,6 +16,12 @@ applied at ``step()`` (no overlap for it, always exact). While updates are pendi
 ``AccessGuard`` applies a parameter's update when it is fetched as a module attribute
 (``module.weight``) or when ``parameters()`` is called, so a use the learning did not see is
 still exact (one warning).
+
+A compiled module (``torch.compile(module)``, ``Module.compile()``) leaves nothing to learn: its
+graph runs no per-module hooks, so updates are applied at ``step()``. Dynamo must never trace the
+mode (it would trace ``_record``'s bookkeeping into the graph and guard on the mode), so the
+learner does not enter it for a forward that holds a compiled module, and takes it off torch's
+mode stack around a compiled module it meets inside an eager one.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class _FirstUseMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled module the learner did not see coming: record nothing
+            return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor):
                 self.on_tensor(value)
@@ -86,18 +94,42 @@ def _reissue(caught: list[warnings.WarningMessage], func: Callable) -> None:
 _OVERRIDES_FILES = (os.path.join("torch", "overrides.py"), os.path.join("torch", "utils", "_device.py"))
 
 
+def _optimized_module() -> type | None:
+    """torch.compile's module wrapper class (None while dynamo is not loaded: then there is none)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def _compiled_how(module: torch.nn.Module, wrapper: type | None) -> str | None:
+    """How ``module`` is compiled, or None: ``wrapper`` is ``_optimized_module()``."""
+    if wrapper is not None and isinstance(module, wrapper):
+        return "torch.compile(module)"
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return "Module.compile()"
+    return None
+
+
 class GateLearner:
-    """Records, per synchronous iteration, the innermost running module at each parameter's first use."""
+    """Records, per synchronous iteration, the innermost running module at each parameter's first use.
+
+    The module forward hooks keep the mode on torch's mode stack exactly while an eager module
+    forward runs on the learner's thread (``_stack``), except inside a compiled module
+    (``_hidden``: the depth of module calls there), where it is off the stack (``_suspended``).
+    """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._stack: list[torch.nn.Module] = []
+        self._stack: list[torch.nn.Module] = []  # eager module forwards the mode records for (innermost last)
         self._mode: _FirstUseMode | None = None
+        self._hidden = 0  # module calls open at or inside a compiled module (the mode is off the stack)
+        self._suspended: int | None = None  # where the mode sat on torch's mode stack while hidden
+        self._looked: set[int] = set()  # modules this forward already searched for compiled ones
         self._seen: dict[int, torch.nn.Module | None] = {}  # this iteration: index -> module (None: outside)
         self._gates: dict[int, weakref.ref | int] = {}  # index -> module ref, or _NO_GATE
         self._thread = threading.get_ident()
         self.iterations = 0
-        self.compiled: str | None = None  # a compiled module ran in the forward: what it was
+        self._compiled: str | None = None  # the compiled module found in the forward, described
+        self._traced = False  # the hooks ran under dynamo: some compiled graph calls modules
         self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._enter),
                        torch.nn.modules.module.register_module_forward_hook(self._leave, always_call=True)]
 
@@ -105,30 +137,96 @@ class GateLearner:
     def learned(self) -> bool:
         return self.iterations >= LEARNING_ITERATIONS
 
+    @property
+    def compiled(self) -> str | None:
+        """The compiled module met in the forward, described for a log line (None: none met)."""
+        if self._compiled is None and self._traced:
+            return "a module compiled with torch.compile() or Module.compile()"
+        return self._compiled
+
     def _enter(self, module: torch.nn.Module, _args: Any) -> None:
-        if self.learned:
+        if torch.compiler.is_compiling():
+            # Traced into a compiled graph: record nothing there, and read no learner state, which
+            # dynamo would guard on (learning's end would then recompile the graph).
+            self._traced = True
             return
-        if torch.compiler.is_compiling():  # traced by dynamo: record nothing into the user's graph
-            if self.compiled is None:
-                self.compiled = "a module compiled with torch.compile / Module.compile()"
+        if self.learned or threading.get_ident() != self._thread:
             return
-        if self.compiled is None and (getattr(module, "_compiled_call_impl", None) is not None
-                                      or type(module).__name__ == "OptimizedModule"):
-            self.compiled = f"{type(module).__name__} (torch.compile)"
-        if threading.get_ident() != self._thread:
+        if self._hidden:
+            self._hidden += 1
             return
-        if not self._stack:
-            self._mode = _FirstUseMode(self._record)
-            self._mode.__enter__()
-        self._stack.append(module)
+        if not self._stack:  # a new forward
+            self._looked = set()
+        if self.compiled is None:
+            self._compiled = self._find_compiled(module)
+        if self.compiled is None:
+            if not self._stack:
+                self._mode = _FirstUseMode(self._record)
+                self._mode.__enter__()
+            self._stack.append(module)
+            return
+        # Updates will be applied at step(): nothing more to learn, and the mode must not be on
+        # the stack when dynamo traces (this module, or a compiled one inside it).
+        self._hidden = 1
+        if self._stack:
+            self._suspend()
 
     def _leave(self, module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        if torch.compiler.is_compiling() or threading.get_ident() != self._thread or not self._stack:
+        if torch.compiler.is_compiling() or threading.get_ident() != self._thread:
+            return
+        if self._hidden:
+            self._hidden -= 1
+            if not self._hidden and self._suspended is not None:
+                self._resume()
+            return
+        if not self._stack:
             return
         self._stack.pop()
         if not self._stack and self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
+
+    def _find_compiled(self, module: torch.nn.Module) -> str | None:
+        """A compiled module at or under ``module`` that this forward has not searched yet, described.
+
+        ``Module.compile()`` compiles the module's whole call, its hooks included, so only an eager
+        parent's hook can see it before dynamo traces it."""
+        wrapper = _optimized_module()
+        top = module._orig_mod if wrapper is not None and isinstance(module, wrapper) else module
+        todo = [(type(top).__name__, module)]
+        while todo:
+            where, m = todo.pop()
+            if id(m) in self._looked:
+                continue
+            self._looked.add(id(m))
+            how = _compiled_how(m, wrapper)
+            if how is not None:
+                return f"{where}, compiled with {how}"
+            children = [(where if name == "_orig_mod" else f"{where}.{name}", child)
+                        for name, child in m._modules.items() if child is not None]
+            todo.extend(reversed(children))
+        return None
+
+    def _suspend(self) -> None:
+        """Take the mode off torch's mode stack; modes the forward entered above it keep their order."""
+        stack = torch.overrides._get_current_function_mode_stack()
+        at = next((i for i, mode in enumerate(stack) if mode is self._mode), None)
+        if at is None:
+            return
+        above = [torch.overrides._pop_mode() for _ in range(len(stack) - at - 1)]
+        torch.overrides._pop_mode()
+        self._suspended = at
+        for mode in reversed(above):
+            torch.overrides._push_mode(mode)
+
+    def _resume(self) -> None:
+        """Put the mode back where ``_suspend`` took it from."""
+        above = [torch.overrides._pop_mode()
+                 for _ in range(max(torch.overrides._len_torch_function_stack() - self._suspended, 0))]
+        torch.overrides._push_mode(self._mode)
+        for mode in reversed(above):
+            torch.overrides._push_mode(mode)
+        self._suspended = None
 
     def _record(self, tensor: torch.Tensor) -> None:
         i = self._index.get(id(tensor))
@@ -179,8 +277,9 @@ class GateLearner:
         self._hooks = []
         if self._mode is not None:
             mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
-        self._stack = []
+            if self._suspended is None:  # a suspended mode is already off the stack
+                mode.__exit__(None, None, None)
+        self._stack, self._hidden, self._suspended = [], 0, None
 
 
 class AccessGuard:

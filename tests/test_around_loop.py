@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from around_loop import CASES, STEPS, reference
+from around_loop import CASES, COMPILED, STEPS, reference
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -85,12 +85,26 @@ def test_model_zero_grad_after_step_keeps_the_overlap(around):
         assert applied.get("forward gates", 0) > 0 and sum(others.values()) <= 8, applied
 
 
-def test_compiled_model_is_exact_steps_at_once_and_never_recompiles(around):
+# What worker 0 says, once per compile case, about why step() applies its updates at once
+COMPILED_REASONS = {
+    "compile": "the forward runs a module compiled with torch.compile() or Module.compile()",
+    "compile-wrapper": "the forward runs SmallCNN, compiled with torch.compile(module)",
+    "compile-block": "the forward runs SmallCNN.fc1, compiled with torch.compile(module)",
+    "compile-block-method": "the forward runs SmallCNN.conv2, compiled with Module.compile()",
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMPILED))
+def test_compiled_model_is_exact_steps_at_once_and_never_recompiles(around, case):
+    """Every way to compile (the model, its wrapper, a block in an eager parent; ``COMPILED``): exactness is
+    checked with the other cases; here the overlap's fate is said once and learning leaves no recompile."""
     _, run = around
-    assert "torch.compile" in run.stderr and "step() applies the update at once" in run.stderr
+    said = [line for line in run.stderr.splitlines() if "step() applies the update at once" in line]
+    assert sum(COMPILED_REASONS[case] in line for line in said) == 1, said
     for rank in range(WORLD):
-        assert json.loads(run.lines(rank, "APPLIED compile")[0]) == {}
-        assert run.lines(rank, "COMPILES_AFTER_LEARNING") == run.lines(rank, "COMPILES_AT_END")
+        assert json.loads(run.lines(rank, f"APPLIED {case} ")[0]) == {}
+        after, end = run.lines(rank, f"COMPILES_AFTER_LEARNING {case} "), run.lines(rank, f"COMPILES_AT_END {case} ")
+        assert int(after[0]) > 0 and after == end, (after, end)
 
 
 def test_overlap_summary_at_shutdown(around):

@@ -1,5 +1,6 @@
 """Forward gates (imerge_hooks.gates): where each parameter's deferred update is applied."""
 
+import contextlib
 import copy
 import io
 import warnings
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from imerge_hooks.gates import LEARNING_ITERATIONS, AccessGuard, GateLearner
 
@@ -201,3 +203,107 @@ def test_warnings_raised_while_learning_point_at_the_users_line():
     finally:
         learner.close()
     assert caught and all(w.filename == __file__ for w in caught), [(w.filename, w.lineno) for w in caught]
+
+
+class Net(nn.Module):
+    """An eager parent around a block; ``aside`` holds modules it calls without registering them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        self.out = nn.Linear(8, 2)
+        self.aside: list[nn.Module] = []
+        self.around_aside = None  # a context manager the forward enters around the ``aside`` modules
+
+    def forward(self, x):
+        h = self.block(self.inp(x))
+        for module in self.aside:
+            with self.around_aside or contextlib.nullcontext():
+                h = module(h)
+        return self.out(h)
+
+
+def _compile(form: str, net: Net, backend) -> nn.Module:
+    if form == "torch.compile(model)":
+        return torch.compile(net, backend=backend)
+    if form == "torch.compile(block)":
+        net.block = torch.compile(net.block, backend=backend)
+    elif form == "block.compile()":
+        net.block.compile(backend=backend)
+    elif form == "torch.compile(unregistered)":
+        net.aside.append(torch.compile(nn.Linear(8, 8), backend=backend))
+    return net
+
+
+@pytest.mark.parametrize("form,name", [
+    ("torch.compile(model)", "Net, compiled with torch.compile(module)"),
+    ("torch.compile(block)", "Net.block, compiled with torch.compile(module)"),
+    ("block.compile()", "Net.block, compiled with Module.compile()"),
+    ("torch.compile(unregistered)", "Linear, compiled with torch.compile(module)"),
+])
+def test_dynamo_never_traces_the_learners_mode(form, name):
+    """Whatever is compiled, dynamo starts no compile with the learner's mode on the stack (it would trace
+    the learner's bookkeeping, or guard on the mode and recompile when learning ends)."""
+    torch._dynamo.reset()
+    graphs, modes_at_compile = [], []
+
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def on_compile(_args):
+        modes_at_compile.append([type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()])
+
+    torch.manual_seed(0)
+    model = _compile(form, Net(), backend)
+    learner = GateLearner(list(model.parameters()))
+    torch._dynamo.callback_handler.register_start_callback(on_compile)
+    try:
+        counts = []
+        for _ in range(LEARNING_ITERATIONS + 2):
+            model(torch.randn(3, 4)).sum().backward()
+            assert torch._C._len_torch_function_stack() == 0
+            learner.end_iteration()
+            counts.append(len(graphs))
+    finally:
+        torch._dynamo.callback_handler.remove_start_callback(on_compile)
+        learner.close()
+    assert modes_at_compile and all("_FirstUseMode" not in modes for modes in modes_at_compile), modes_at_compile
+    assert counts[0] > 0 and counts == [counts[0]] * len(counts), counts  # learning recompiled nothing
+    assert learner.learned and learner.compiled == name
+
+
+class UserMode(TorchFunctionMode):
+    """Counts ops; notes the mode stack (by type) as it exits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.stack_at_exit: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        self.stack_at_exit = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+        return super().__exit__(*exc)
+
+
+def test_a_suspended_mode_returns_below_the_users_own():
+    """The learner takes its mode off the stack around a compiled module met inside an eager forward and
+    puts it back where it was: under a mode the user's forward entered before that call, which then exits."""
+    torch._dynamo.reset()
+    net = _compile("torch.compile(unregistered)", Net(), "eager")
+    user = net.around_aside = UserMode()
+    learner = GateLearner(list(net.parameters()))
+    try:
+        with UserMode() as outer:
+            net(torch.randn(3, 4))
+            assert torch.overrides._get_current_function_mode_stack() == [outer]
+    finally:
+        learner.close()
+    assert user.stack_at_exit == ["UserMode", "_FirstUseMode", "UserMode"] and user.ops > 0, user.stack_at_exit
+    assert learner.compiled == "Linear, compiled with torch.compile(module)"
+    assert torch._C._len_torch_function_stack() == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from collections.abc import Callable
 
 import torch
 from common import batch, make_model, say, shard
@@ -20,7 +21,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 STEPS = 10
 UNFREEZE_AT = 5
-CASES = ["checkpoint", "ema", "clip-in-step", "step-hooks", "hf-order", "zero-gradient", "moe-unfreeze", "compile"]
+CASES = ["checkpoint", "ema", "clip-in-step", "step-hooks", "hf-order", "zero-gradient", "moe-unfreeze", "compile",
+         "compile-wrapper", "compile-block", "compile-block-method"]
+# How each compile case compiles (the reference trains the same module eagerly):
+# "compile": model.compile(); "compile-wrapper": model = torch.compile(model); "compile-block": a block
+# wrapped by torch.compile with the default backend (inductor) in an eager parent; "compile-block-method":
+# block.compile() in an eager parent. All but the inductor one count their graphs with their own backend.
+COMPILED = {"compile": "model.compile()", "compile-wrapper": "torch.compile(model)",
+            "compile-block": "torch.compile(model.fc1), inductor", "compile-block-method": "model.conv2.compile()"}
 
 
 class ClipInStep(torch.optim.SGD):
@@ -81,6 +89,32 @@ def reference(case: str, world: int) -> dict:
             "ema_parameters": {n: p.detach().clone() for n, p in ema_by_parameters.module.named_parameters()}}
 
 
+def compile_model(case: str, model: nn.Module) -> tuple[nn.Module, Callable[[], int]]:
+    """Compile ``model`` (or one of its blocks) as ``case`` says; returns it and a count of graphs compiled."""
+    if case not in COMPILED:
+        return model, lambda: 0
+    if case == "compile-block":  # the default backend: count dynamo's graphs
+        from torch._inductor import config as inductor_config
+
+        inductor_config.compile_threads = 1  # no compile worker processes forked from an MPI rank
+        start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        model.fc1 = torch.compile(model.fc1)
+        return model, lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"] - start
+    graphs = []
+
+    def backend(gm, _inputs):
+        graphs.append(len(graphs))
+        return gm.forward
+
+    if case == "compile":
+        model.compile(backend=backend)
+    elif case == "compile-wrapper":
+        model = torch.compile(model, backend=backend)
+    else:
+        model.conv2.compile(backend=backend)
+    return model, lambda: len(graphs)
+
+
 def train(case: str, out: str) -> None:
     import imerge_hooks as imh
 
@@ -97,13 +131,7 @@ def train(case: str, out: str) -> None:
                    opt.register_step_post_hook(post),
                    register_optimizer_step_post_hook(
                        lambda *_: counts.__setitem__("global", counts["global"] + 1))]
-    compiles = []
-    if case == "compile":
-        def backend(gm, _inputs):
-            compiles.append(len(compiles))
-            return gm.forward
-
-        model.compile(backend=backend)
+    model, compiles = compile_model(case, model)
     opt = imh.DistributedOptimizer(opt, named_parameters=model.named_parameters(), profile_steps=3)
     ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ema_by_parameters = torch.optim.swa_utils.AveragedModel(
@@ -123,17 +151,19 @@ def train(case: str, out: str) -> None:
             for k, v in model.state_dict().items():  # timm's ModelEma reads state_dict()
                 ema[k].mul_(0.9).add_(v, alpha=0.1)
             ema_by_parameters.update_parameters(model)  # torch's AveragedModel reads parameters()
-        if case == "compile" and step == 4:
-            say(rank, "COMPILES_AFTER_LEARNING", len(compiles))
+        if case in COMPILED and step == 4:
+            say(rank, "COMPILES_AFTER_LEARNING", case, compiles())
     engine = opt._imerge_engine
     say(rank, "APPLIED", case, json.dumps(dict(engine.applied_by)))
-    if case == "compile":
-        say(rank, "COMPILES_AT_END", len(compiles))
+    if case in COMPILED:
+        say(rank, "COMPILES_AT_END", case, compiles())
     if case == "step-hooks":
         say(rank, "HOOKS", json.dumps({k: (sorted(v) if isinstance(v, set) else v) for k, v in counts.items()}))
         for h in handles:
             h.remove()
-    result = {"final": {k: v.detach().clone() for k, v in model.state_dict().items()}, "states": states,
+    # torch.compile(module) wraps it: its state_dict keys carry "_orig_mod."; the reference's do not
+    final = {k.replace("_orig_mod.", ""): v.detach().clone() for k, v in model.state_dict().items()}
+    result = {"final": final, "states": states,
               "ema": ema, "norms": getattr(opt, "norms", [])}
     if case == "ema":
         result["ema_parameters"] = {n: p.detach().clone() for n, p in ema_by_parameters.module.named_parameters()}
