@@ -17,8 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-PEERS = ("ddp", "ddp-tuned", "mpi-allreduce")
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.runner.grid import PEERS  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
 COLUMNS = PEERS + ("imerge S=W", "imerge S=W/2")
 
 
@@ -63,7 +68,6 @@ def table(rows: dict, kind: str) -> str:
 
 def simulated_efficiency(doc: dict, rows: dict) -> None:
     """Simulated runs carry no bound: compute it as run.py does for measured ones."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.runner.grid import model_facts, physical_bound, servers_for
 
     config = doc.get("config", {})

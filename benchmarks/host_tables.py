@@ -38,7 +38,8 @@ STARTUP_S = 200e-6
 
 def cell(model: str, workers: int, schedule: str) -> dict:
     from benchmarks.netlab.netlab import GOODPUT
-    from benchmarks.run import PEERS, simulate_peer
+    from benchmarks.runner.grid import PEERS
+    from benchmarks.runner.predict import simulate_peer
     from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
 
     spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / f"{model}-cpu.json")

@@ -25,7 +25,6 @@ import torch
 
 from imerge_hooks.internals import MPI, Backoff
 
-PEERS = ("ddp", "ddp-tuned", "mpi-allreduce")
 DDP_CAPS_MB = (4, 25)
 HOROVOD_FUSION_BYTES = 64 * 1024 * 1024
 _MiB = 1024 * 1024

@@ -58,6 +58,7 @@ if str(REPO) not in sys.path:
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.replay import ReplayModel, load_profile  # noqa: E402
+from benchmarks.runner.grid import PEERS  # noqa: E402
 from imerge_hooks.internals import MPI  # noqa: E402
 
 PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")
@@ -166,7 +167,7 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
     forward, opt, engine = _trainer(schedule, model, base, args, imh, worker_comm, cap)
     x = model.example_input()
     warm = args.warmup + (args.profile_steps if schedule in PLANNED else 0)
-    if schedule in peers.PEERS:
+    if schedule in PEERS:
         warm = max(warm, 2)  # DDP builds its final buckets after the first iteration
     starts: list[float] = []
     cpu0 = None

@@ -43,3 +43,13 @@ def test_user_tools_are_installed_commands(name):
     assert exe.exists(), f"{name} is not installed beside {sys.executable}: pip install -e . (make test does)"
     proc = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_every_lab_script_imports_and_answers_help():
+    """A refactor cannot silently break a lab script: every import any of them makes (function-local
+    ones too) resolves, and every script with a command line answers --help."""
+    run = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "lab_scripts.py")], capture_output=True,
+                         text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["checked"] >= 40 and found["problems"] == {}, found
