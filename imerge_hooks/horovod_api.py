@@ -9,6 +9,12 @@ worker and tensor it concerns (a worker in another op or name: IMergeMismatchErr
 calls); then the data moves by a non-blocking MPI collective polled with back-off until
 ``timeout_s``.
 
+A caught error leaves the workers in step (``_agreed``): an error a worker finds in its own
+arguments is sent in the agreement, so every worker raises it; while a worker waits in ``join()``
+it answers the agreement (every worker that called the op raises the same error, except for an
+allreduce, to which it adds zeros as Horovod's joined ranks do); a failure between the agreement
+and the end of the data's move, which the others wait for, ends the job naming the worker.
+
 Differences from Horovod (see ``docs/compatibility.md``): ops are matched by call order, not
 by name (every worker must issue the same ops in the same order; kinds and names are checked);
 ``*_async`` ops run eagerly, their handle's ``synchronize()`` returns the result and ``poll()``
@@ -17,24 +23,26 @@ is always True; only the global process set exists.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from . import collectives, session
 from ._mpi import MPI
-from .collectives import collective
 from .errors import (
     IMergeArgumentError,
     IMergeConfigError,
+    IMergeError,
     IMergeMismatchError,
     IMergeTimeoutError,
     IMergeUsageError,
 )
-from .failure import record_fatal, whoami
+from .failure import abort, record_fatal, whoami
 from .layout import Compression
 from .ops import ReduceOp, reduce_op, resolve_op
 from .polling import DeadlineWait
@@ -46,6 +54,7 @@ _MPI_OPS = {ReduceOp.Average: "SUM", ReduceOp.Sum: "SUM", ReduceOp.Min: "MIN", R
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
               torch.int32, torch.int64)
 _unnamed = itertools.count()
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _compressor(compression: Any) -> Any:
@@ -72,34 +81,114 @@ def _label(kind: str, name: str | None) -> str:
     return name if name else f"{kind}.noname.{next(_unnamed)}"
 
 
+def _call(kind: str, name: str | None) -> str:
+    """How mismatch messages name an op: ``allreduce of tensor 'x'``, ``barrier()``."""
+    if kind == "barrier":
+        return "barrier()"
+    if kind == "allgather_object":
+        return f"allgather_object of {name!r}" if name else "allgather_object()"
+    return f"{kind} of tensor {name!r}" if name else f"{kind} of an unnamed tensor"
+
+
+# The error classes a worker's own failed argument check is raised with on every worker (``_agree``).
+_SHARED_ERRORS = {cls.__name__: cls for cls in (
+    ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError, IMergeError, IMergeConfigError,
+    IMergeArgumentError, IMergeUsageError, IMergeMismatchError)}
+_agreements = 0  # agreements this worker entered (``_agreed`` tells an error before its op's agreement)
+_moving: str | None = None  # the op whose data this worker moves after every worker agreed on it
+
+
+def _agreed(kind: str, name_of: Callable[[str | None], str | None] | None = None) -> Callable[[_F], _F]:
+    """Public op ``kind`` keeps the workers in step when it raises (the rule, written once).
+
+    An error this worker raises before the op's agreement (its own checks of ``op``, the process
+    set, the compression) is sent in that agreement instead (as ``_agree``'s ``problem``), so every
+    worker raises it, with its class, and the next op starts in step. The agreement's name is the
+    op's ``name`` argument (``name_of(name)`` where the first agreement names it otherwise). An
+    error after the agreement, before the data moved (staging it on the host), leaves the others
+    waiting for this worker's data: it ends the job at once, naming this worker and the op.
+    """
+    def wrap(fn: _F) -> _F:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            global _moving
+            entered, _moving = _agreements, None
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as error:
+                moving, _moving = _moving, None
+                if _agreements == entered and session.is_initialized():
+                    try:
+                        name = signature.bind(*args, **kwargs).arguments.get("name")
+                    except TypeError:  # a call that does not fit: the others' name is unknown (a mismatch)
+                        name = None
+                    try:
+                        _agree(kind, name_of(name) if name_of else name, {}, (),
+                               problem=(type(error).__name__, str(error)))
+                    except Exception as agreed:
+                        raise agreed from error
+                if moving is not None and not isinstance(error, IMergeTimeoutError):
+                    abort(f"{whoami()}: {moving} failed on this worker after every worker had agreed on it, while "
+                          f"the others wait for its data: {type(error).__name__}: {error}; aborting the job")
+                raise
+            _moving = None
+            return result
+
+        return run  # type: ignore[return-value]
+
+    return wrap
+
+
 def _agree(kind: str, name: str | None, meta: dict[str, Any], same: Sequence[str],
-           problem: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+           problem: str | tuple[str, str] | None = None,
+           joined: collectives.ZerosPart | None = None) -> tuple[str, list[dict[str, Any] | None]]:
     """Every worker's ``meta`` for this op, gathered with a deadline; raise on every worker alike if a
     worker ran another op or name (IMergeMismatchError from the collective, naming both calls),
-    reported a ``problem`` with its arguments (IMergeArgumentError, a ValueError as Horovod's), or
-    differs from worker 0 in a field of ``same``.
+    reported a ``problem`` (a str: a bad argument, IMergeArgumentError, a ValueError as Horovod's;
+    (class name, message): its own check failed, that class, ``_agreed``), or differs from the
+    first worker in a field of ``same``.
 
-    Returns the op's label (its name, or a generated one) and the metas by worker rank.
+    Workers waiting in ``join()`` answer it (``collectives.answer_pending``): then every worker
+    raises IMergeUsageError naming them, unless all offered the same ``joined`` part (an allreduce,
+    to which the joined workers add zeros). Returns the op's label (its name, or a generated one)
+    and the metas by worker rank (None for a joined worker).
     """
+    global _agreements, _moving
     topo = _topology()
-    label = _label(kind, name)
-    call = f"{kind} of tensor {name!r}" if name else f"{kind} of an unnamed tensor"
-    entries = collective(topo.worker_comm, "allgather", (meta, problem), f"{kind} of tensor {label!r}", call=call)
-    where = f"{whoami()}: {kind} of tensor {label!r}"
-    for r, (_, why) in enumerate(entries):
+    label = _label(kind, name) if kind not in ("barrier", "allgather_object") else _call(kind, name)
+    what = label if kind in ("barrier", "allgather_object") else f"{kind} of tensor {label!r}"
+    _agreements += 1
+    entries = collectives.collective(topo.worker_comm, "allgather", (meta, problem), what, call=_call(kind, name),
+                                     joined_part=joined)
+    where = f"{whoami()}: {what}"
+    live = [(r, entry) for r, entry in enumerate(entries) if entry is not None]
+    for r, (_, why) in live:
         if why is not None:
-            raise IMergeArgumentError(f"{where}: worker {r}: {why}")
-    meta0 = entries[0][0]
-    for r, (m, _) in enumerate(entries):
+            raise _shared_error(f"{where}: worker {r}", why)
+    first, (meta0, _) = live[0]
+    for r, (m, _) in live:
         for field in same:
             if m[field] != meta0[field]:
-                raise IMergeMismatchError(f"{where}: worker {r} has {field} {m[field]} but worker 0 has "
+                raise IMergeMismatchError(f"{where}: worker {r} has {field} {m[field]} but worker {first} has "
                                           f"{meta0[field]}")
-    return label, [m for m, _ in entries]
+    _moving = what
+    return label, [entry[0] if entry is not None else None for entry in entries]
+
+
+def _shared_error(where: str, problem: str | tuple[str, str]) -> Exception:
+    """The error every worker raises for one worker's ``problem`` (``_agree``)."""
+    if isinstance(problem, str):
+        return IMergeArgumentError(f"{where}: {problem}")
+    name, message = problem
+    cls = _SHARED_ERRORS.get(name)
+    return cls(f"{where}: {message}") if cls else IMergeError(f"{where}: {name}: {message}")
 
 
 def _wait(requests: list[Any], what: str) -> None:
     """Poll ``requests`` with back-off until all complete; IMergeTimeoutError at ``timeout_s``."""
+    global _moving
     wait = DeadlineWait(session.config().timeout_s)
     while not MPI.Request.Testall(requests):
         if wait.expired():
@@ -107,6 +196,7 @@ def _wait(requests: list[Any], what: str) -> None:
                 f"{whoami()}: {what} did not complete within {wait.limit_s:.0f} s after every worker had started "
                 "it (a worker died or stopped calling MPI)"))
         wait.idle(wait.elapsed())  # sleeps grow with the wait (a large transfer polls less often)
+    _moving = None
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -133,6 +223,11 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _numpy_dtype(dtype: torch.dtype) -> str:
+    """The numpy dtype MPI reduces a tensor of ``dtype`` in."""
+    return str(torch.empty(0, dtype=_compute_dtype(dtype)).numpy().dtype)
+
+
 def _scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     """``tensor * factor``; integer tensors are scaled in float64 and truncated, as Horovod does."""
     if factor == 1.0:
@@ -156,7 +251,11 @@ def _reduced(kind: str, tensors: Sequence[torch.Tensor], name: str | None, op: R
     problem = next((f"tensor {i}: {why}" for i, t in enumerate(tensors) if (why := _reduce_problem(t))), None)
     meta = {"shapes": [_describe(t)[0] for t in tensors] if problem is None else [],
             "dtypes": [_describe(t)[1] for t in tensors] if problem is None else [], "op": op.name}
-    label, _ = _agree(kind, name, meta, ("shapes", "dtypes", "op"), problem)
+    joined = None  # what a worker waiting in join() adds: zeros, as Horovod's joined ranks (Sum and Average only)
+    if problem is None and op in (ReduceOp.Average, ReduceOp.Sum):
+        joined = collectives.ZerosPart(meta, _MPI_OPS[op], tuple((tuple(t.shape), _numpy_dtype(t.dtype))
+                                                                 for t in tensors))
+    label, _ = _agree(kind, name, meta, ("shapes", "dtypes", "op"), problem, joined)
     comm = _topology().worker_comm
     mpi_op = getattr(MPI, _MPI_OPS[op])
     sends = [_scale(_host(t).to(_compute_dtype(t.dtype)), prescale).contiguous() for t in tensors]
@@ -190,6 +289,7 @@ def _differentiable(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
 
 
+@_agreed("allreduce")
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
@@ -208,6 +308,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return codec.decompress(result, ctx)
 
 
+@_agreed("allreduce")
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = global_process_set) -> torch.Tensor:
@@ -217,6 +318,7 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     return _write_back(tensor, _reduced("allreduce", [tensor], name, op, prescale_factor, postscale_factor)[0])
 
 
+@_agreed("allreduce")
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = global_process_set) -> int:
@@ -226,6 +328,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     return _handle(_reduced("allreduce", [tensor], name, op, prescale_factor, postscale_factor)[0])
 
 
+@_agreed("allreduce")
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set) -> int:
@@ -233,6 +336,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
     return _handle(allreduce_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+@_agreed("grouped_allreduce")
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
@@ -264,6 +368,7 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
                 *_reduced("grouped_allreduce", list(grads), None, ctx.op, ctx.prescale, ctx.postscale))
 
 
+@_agreed("grouped_allreduce")
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                        op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
@@ -274,6 +379,7 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     return [_write_back(t, r) for t, r in zip(tensors, results)]
 
 
+@_agreed("grouped_allreduce")
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: Any = global_process_set) -> int:
@@ -282,6 +388,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
                                      process_set))
 
 
+@_agreed("grouped_allreduce")
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                              process_set: Any = global_process_set) -> int:
@@ -350,6 +457,7 @@ class _AllgatherFunction(torch.autograd.Function):
         return (mine.reshape(()) if ctx.scalar else mine), None
 
 
+@_agreed("allgather")
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
     """Every worker's ``tensor`` concatenated along dim 0 (their first dims may differ; a scalar counts as one row)."""
     check_process_set(process_set, "allgather")
@@ -358,6 +466,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     return _gathered(tensor, name)
 
 
+@_agreed("allgather")
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> int:
     """``allgather`` run now; ``synchronize(handle)`` returns its result."""
     check_process_set(process_set, "allgather_async")
@@ -382,6 +491,7 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
         return (None, *(m.reshape(()) if scalar else m for m, scalar in zip(mine, ctx.scalars)))
 
 
+@_agreed("grouped_allgather")
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
     """Each of ``tensors`` allgathered (``allgather``), agreed as one op. Differentiable like Horovod's."""
@@ -391,6 +501,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
     return _gathered_many("grouped_allgather", tensors, name)
 
 
+@_agreed("grouped_allgather")
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> int:
     """``grouped_allgather`` run now; ``synchronize(handle)`` returns the list of results."""
@@ -398,13 +509,15 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
     return _handle(_gathered_many("grouped_allgather", tensors, name))
 
 
+@_agreed("allgather_object")
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
     """Every worker's picklable ``obj``, by rank."""
     check_process_set(process_set, "allgather_object")
-    what = f"allgather_object of {name!r}" if name else "allgather_object()"
-    return collective(_topology().worker_comm, "allgather", obj, what, call=what)
+    _, metas = _agree("allgather_object", name, {"object": obj}, ())
+    return [meta["object"] for meta in metas]
 
 
+@_agreed("allgather", lambda name: f"{name}.indices")
 def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
                            process_set: Any = global_process_set) -> Callable[[], torch.Tensor]:
     """A sparse ``tensor`` reduced over the workers (Sum or Average), as Horovod's: every worker's
@@ -458,6 +571,7 @@ class _BroadcastFunction(torch.autograd.Function):
         return reduced, None, None
 
 
+@_agreed("broadcast")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
     """``root_rank``'s ``tensor`` as a new tensor on every worker; the input is not modified."""
@@ -467,6 +581,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return _broadcasted(tensor, root_rank, name)
 
 
+@_agreed("broadcast")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> torch.Tensor:
     """In-place ``broadcast``: ``tensor`` holds ``root_rank``'s values; returns it."""
@@ -475,6 +590,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     return tensor if session.topology().worker_rank == root_rank else _write_back(tensor, result)
 
 
+@_agreed("broadcast")
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = global_process_set) -> int:
     """``broadcast`` run now; ``synchronize(handle)`` returns its result."""
@@ -482,6 +598,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     return _handle(_broadcasted(tensor, root_rank, name))
 
 
+@_agreed("broadcast")
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = global_process_set) -> int:
     """``broadcast_`` run now; ``synchronize(handle)`` returns ``tensor``."""
@@ -531,6 +648,7 @@ def _exchanged(tensor: torch.Tensor, splits: Any, name: str | None) -> tuple[tor
     return out.to(tensor.device), received
 
 
+@_agreed("alltoall")
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
              process_set: Any = global_process_set) -> Any:
     """Rows ``splits[j]`` of ``tensor`` to worker j (default: equal parts); the rows received, by sender.
@@ -566,6 +684,7 @@ class _AlltoallFunction(torch.autograd.Function):
         return back, None, None
 
 
+@_agreed("alltoall")
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = global_process_set) -> int:
     """``alltoall`` run now; ``synchronize(handle)`` returns (output, received splits) as Horovod's."""
@@ -628,6 +747,7 @@ def _reducescattered(kind: str, tensors: Sequence[torch.Tensor], name: str | Non
     return _scattered(kind, tensors, name, op, prescale, postscale)
 
 
+@_agreed("reducescatter")
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Any = Compression.none,
                   op: Any = ReduceOp.Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
@@ -642,6 +762,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
     return codec.decompress(result, ctx)
 
 
+@_agreed("reducescatter")
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = ReduceOp.Average,
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
@@ -651,6 +772,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                               postscale_factor)[0])
 
 
+@_agreed("grouped_reducescatter")
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
                           compression: Any = Compression.none, op: Any = ReduceOp.Average,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
@@ -664,6 +786,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     return [codec.decompress(r, ctx) for r, (_, ctx) in zip(results, squeezed)]
 
 
+@_agreed("grouped_reducescatter")
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: Any = ReduceOp.Average, process_set: Any = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
@@ -696,7 +819,8 @@ def synchronize(handle: int) -> Any:
     return _handles.pop(handle, None)
 
 
+@_agreed("barrier")
 def barrier(process_set: Any = global_process_set) -> None:
     """Return when every worker has called ``barrier()`` (with a deadline)."""
     check_process_set(process_set, "barrier")
-    collective(_topology().worker_comm, "barrier", None, "barrier()", call="barrier()")
+    _agree("barrier", None, {}, ())

@@ -1,17 +1,20 @@
 """``join()``: a worker out of data waits, shadowing the rounds of those still training, until every
-worker has joined; another worker's collective meanwhile is an error, not a hang."""
+worker has joined. It answers the collectives the others start meanwhile, so each raises on every
+worker that called it (an allreduce goes on, the joined worker adding zeros, as in Horovod); a plan
+change meanwhile, which it cannot take part in, ends the job."""
 
 from __future__ import annotations
 
+import threading
 import time
 
-from . import handoff, session
+from . import collectives, handoff, session
 from ._mpi import MPI
-from .errors import IMergeTimeoutError, IMergeUsageError
-from .failure import record_fatal, whoami
-from .polling import DeadlineWait
+from .errors import IMergeTimeoutError
+from .failure import abort, record_fatal, whoami
+from .polling import Backoff, DeadlineWait
 from .topology import Topology
-from .wire import TAG_COLLECTIVE, TAG_DECISION, TAG_REPLY
+from .wire import TAG_DECISION, TAG_REPLY
 
 
 def join() -> int:
@@ -21,25 +24,37 @@ def join() -> int:
     ``Join``. Until every worker has joined, a joined worker's missing pushes count as zeros
     and the servers divide by the number of workers (``join_divisor="active"``: by those that
     pushed). When it returns, every worker holds the parameters of the worker that joined
-    last (and its step count); it returns that worker's rank. A plan change while a worker
-    waits here (the end of ``profile_steps``) raises at once on that worker.
+    last (and its step count); it returns that worker's rank.
+
+    Meanwhile the others may run allreduces (Average or Sum), to which this worker adds zeros, as
+    Horovod's joined ranks do; any other collective raises the same IMergeUsageError on every
+    worker that called it, and this one goes on waiting. A plan change meanwhile (the end of
+    ``profile_steps``) needs this worker, which cannot take part: it ends the job at once.
     """
     topo = session.topology()
-    session.flush_all("join()")
-    for fn in list(session.state.join_callbacks):
-        fn()
     if topo.num_servers == 0:
+        _finish_iteration()
         return topo.worker_rank
+    with _Answering(topo):  # the last round of this worker's engines may need the others' next pushes
+        _finish_iteration()
     handoff.to_all_servers({"op": "join"})
     if topo.aggregate_in_host:
         _shadow_until_all_joined(topo)
     last = _wait_until_all_joined(topo)
+    collectives.count_join()  # before the collectives that follow: the others tell them from stray ones
+    last = collectives.last_joiner(topo.worker_comm, last)
     for fn in list(session.state.after_join_callbacks):
         fn(last)
     return last
 
 
-JOIN_GRACE_S = 2.0  # a collective seen while waiting in join() is another worker's only if no answer follows
+def _finish_iteration() -> None:
+    session.flush_all("join()")
+    for fn in list(session.state.join_callbacks):
+        fn()
+
+
+JOIN_GRACE_S = 2.0  # a plan hand-off seen while waiting in join() is stray only if no answer follows
 
 
 def _shadow_until_all_joined(topo: Topology) -> None:
@@ -50,15 +65,14 @@ def _shadow_until_all_joined(topo: Topology) -> None:
     them (``engine.shadow_round``). The last worker to join shadows one round too: every worker
     sees it end with nobody training, and all stop at the same round, with nothing left in flight.
     """
-    # A worker that saw the last round end first may already broadcast the last joiner's parameters
-    # while this one waits for that round's results: a longer grace than the servers' answers need.
-    watch = _StrayCollective(topo, grace_s=5 * JOIN_GRACE_S)
+    watch = _Watch(topo, grace_s=5 * JOIN_GRACE_S)  # the servers' answers follow the last round's results
 
     def wait(group) -> None:
         limit = DeadlineWait(session.config().timeout_s)
         while not group.done.wait(0.02):
             session.state.comm_thread.raise_if_failed()
-            watch.check()
+            if watch.check():
+                limit.reset()
             if limit.expired():
                 raise record_fatal(IMergeTimeoutError(
                     f"{whoami()}: waited {limit.limit_s:.0f} s in join() for the next step of the workers that "
@@ -71,52 +85,88 @@ def _shadow_until_all_joined(topo: Topology) -> None:
             return
 
 
-class _StrayCollective:
-    """Raises when another worker starts a collective while this one waits in join() (module doc of
-    ``_wait_until_all_joined``)."""
+class _Watch:
+    """What the other workers send a worker waiting in join(): it answers their collectives
+    (``collectives.answer_pending``) and ends the job on a plan hand-off it cannot take part in."""
 
     def __init__(self, topo: Topology, grace_s: float = JOIN_GRACE_S) -> None:
         self.topo = topo
         self.grace_s = grace_s
         self.since: float | None = None
 
-    def check(self, applies: bool = True) -> None:
-        """``applies``: whether a collective message now means a stray one (see the callers)."""
-        stray = _collective_sender(self.topo.worker_comm)
+    def check(self, hand_off_applies: bool = True) -> bool:
+        """Answer a collective a worker that has not joined started; whether this answered one.
+        ``hand_off_applies``: whether a plan hand-off now means a stray one (see the callers)."""
+        comm = self.topo.worker_comm
+        if collectives.answer_pending(comm):
+            return True
+        status = MPI.Status()
+        if not hand_off_applies or not comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DECISION, status=status):
+            return False
         now = time.monotonic()
-        if stray is None or not applies:
-            return
         self.since = self.since or now
         if now - self.since > self.grace_s:
-            raise record_fatal(IMergeUsageError(
-                f"{whoami()} waits in join() (out of data) while worker {stray} started a collective step "
-                "that needs every worker (a plan change at the end of profile_steps, a broadcast, "
-                "calibration): workers must not change plans or run collectives while another has joined; make "
-                "profile_steps smaller than the shortest worker's number of steps"))
+            abort(f"{whoami()} waits in join() (out of data) while worker {status.Get_source()} started a plan "
+                  "change (the end of profile_steps, layers frozen or unfrozen), which needs every worker: make "
+                  "profile_steps smaller than the shortest worker's number of steps; aborting the job")
+        return False
+
+
+class _Answering:
+    """While this worker in join() finishes its iteration (its engines push what a backward left
+    and wait for the round), a thread answers the others' collectives: that round completes when
+    they push or join, and they may run a collective first."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.watch = _Watch(topo)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="imerge-join-answers", daemon=True)
+
+    def __enter__(self) -> _Answering:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.done.set()
+        self.thread.join()
+        if self.error is not None and exc_info[0] is None:
+            raise self.error
+
+    def _run(self) -> None:
+        idle = Backoff(spin_s=0.0, sleep=self.done.wait)  # the main thread's work comes first
+        try:
+            while not self.done.is_set():
+                if self.watch.check(hand_off_applies=False):
+                    idle.reset()
+                else:
+                    idle.idle()
+        except BaseException as error:  # noqa: BLE001 - raised in the thread that waits in join()
+            self.error = error
 
 
 def _wait_until_all_joined(topo: Topology) -> int:
-    """Every server's answer that all workers joined; raise if another worker starts a collective.
+    """Every server's answer that all workers joined, answering the others' collectives meanwhile.
 
-    A worker in join() takes part in no collective, so another worker that starts one (the plan
-    hand-off or calibration at the end of ``profile_steps``) would wait for it until ``timeout_s``.
-    Such a message is an error unless the servers' answers follow within ``JOIN_GRACE_S`` (a
-    worker that was told first may already be in the collective that ends ``join()``).
+    A plan hand-off meanwhile (the end of ``profile_steps``) would wait for this worker until
+    ``timeout_s``: it ends the job unless the servers' answers follow within ``JOIN_GRACE_S``. So
+    does a server's refusal of a plan change (its join state and the workers' plans are left apart).
     """
     wait = DeadlineWait(session.config().timeout_s)
     waiting, last = list(range(topo.num_servers)), -1
-    watch = _StrayCollective(topo)
+    watch = _Watch(topo)
     while waiting:
         for server in list(waiting):
             message = topo.data_comm.improbe(source=topo.server_world_rank(server), tag=TAG_REPLY)
             if message is not None:
                 reply = message.recv()
                 if reply.get("op") == "error":
-                    raise record_fatal(IMergeUsageError(f"{whoami()}: join(): {reply['message']}"))
+                    abort(f"{whoami()}: join(): {reply['message']}; aborting the job")
                 last = reply.get("last", last)
                 waiting.remove(server)
                 wait.reset()
-        watch.check(applies=len(waiting) == topo.num_servers)
+        if watch.check(hand_off_applies=len(waiting) == topo.num_servers):
+            wait.reset()
         now = time.monotonic()
         if wait.expired(now):
             raise record_fatal(IMergeTimeoutError(
@@ -124,12 +174,3 @@ def _wait_until_all_joined(topo: Topology) -> int:
                 "every worker joined: every worker must call imerge_hooks.join() when its data ends"))
         wait.idle()
     return last
-
-
-def _collective_sender(comm: MPI.Comm) -> int | None:
-    """The rank of a pending collective or plan hand-off message to this worker, if any."""
-    status = MPI.Status()
-    for tag in (TAG_COLLECTIVE, TAG_DECISION):
-        if comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
-            return status.Get_source()
-    return None
