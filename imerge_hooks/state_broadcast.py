@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -37,10 +38,12 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
 
     ``params`` is a ``state_dict()``, ``named_parameters()`` or a list of tensors
     (``list(model.parameters())``); names (positions for a list) must match across workers.
-    The root's table of names, shapes and dtypes goes first as an object collective with a deadline
-    (``collectives.collective``, a tree), so a worker that never calls this is named instead of leaving the
-    others waiting; the bytes then go by MPI's own broadcast (``Ibcast``: O(log W) steps, pipelined
-    for large messages), bounded by the same deadline.
+    Every worker's table of names, shapes and dtypes (a digest of it) goes first as an object collective
+    with a deadline (``collectives.collective``, a tree), so a worker that never calls this is named
+    instead of leaving the others waiting, and a table that differs from the root's raises on every
+    worker, naming the workers whose table differs (so a caught error leaves the workers in step); the
+    bytes then go by MPI's own broadcast (``Ibcast``: O(log W) steps, pipelined for large messages),
+    bounded by the same deadline.
     """
     topo = session.topology()
     _check_root(root_rank, "broadcast_parameters")
@@ -48,13 +51,17 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     if topo.num_workers == 1:
         return
     signature = [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
-    root_signature = collectives.collective(topo.worker_comm, "bcast", signature,
-                                            f"the parameters of worker {root_rank}", root=root_rank)
-    if root_signature != signature:
-        diff = next((f"{a} vs {b}" for a, b in zip(signature, root_signature) if a != b),
-                    f"{len(signature)} tensors vs {len(root_signature)}")
-        raise ValueError(f"IMerge worker {topo.worker_rank}: broadcast_parameters: tensors differ from worker "
-                         f"{root_rank}'s (this worker vs root: {diff})")
+    digest = hashlib.sha1(repr(signature).encode()).hexdigest()
+    digests = collectives.collective(topo.worker_comm, "allgather", digest,
+                                     f"the parameters to broadcast from worker {root_rank}")
+    differ = [w for w, d in enumerate(digests) if d != digests[root_rank]]
+    if differ:  # every worker knows: the root's table goes to all, and each says how its own differs
+        root_signature = collectives.collective(topo.worker_comm, "bcast", signature,
+                                                f"the parameters of worker {root_rank}", root=root_rank)
+        mine = next((f"{a} vs {b}" for a, b in zip(signature, root_signature) if a != b),
+                    f"{len(signature)} tensors vs {len(root_signature)}") if topo.worker_rank in differ else None
+        raise ValueError(f"IMerge worker {topo.worker_rank}: broadcast_parameters: the tensors of worker(s) {differ} "
+                         f"differ from worker {root_rank}'s" + (f" (this worker vs root: {mine})" if mine else ""))
     broadcast_tensors([t for _, t in items], root_rank, f"the parameters of worker {root_rank}")
 
 

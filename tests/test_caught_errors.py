@@ -2,39 +2,33 @@
 workers and 1 server in one launch, as Horovod's own suites run (docs/compatibility.md)."""
 
 import re
-import time
 from pathlib import Path
 
 from mpirun import run_mpi
 
 SUITE = Path(__file__).parent / "scripts" / "caught_errors_suite.py"
-TESTS = 10  # the suite's tests, parametrized cases counted
+TESTS = 11  # the suite's tests, parametrized cases counted
 
 
 def test_caught_errors_leave_the_workers_in_step():
     """Each inner test raises on one worker (a collective while another waits in join(), a bad argument
     on one worker), catches it and checks the next collectives' values; a worker out of step would
-    fail them or wait for the 30 s deadline."""
-    start = time.monotonic()
+    fail them, or wait for the 30 s deadline and fail them with IMergeTimeoutError."""
     run = run_mpi(SUITE, 3, servers=1, timeout=120, env={"IMERGE_TIMEOUT_S": "30"})
-    elapsed = time.monotonic() - start
     summaries = [line for line in run.stdout.splitlines()
                  if re.search(r"\b(passed|failed|errors?|skipped)\b.* in [\d.]+s", line)]
-    report = f"exit {run.returncode} after {elapsed:.0f} s\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
+    report = f"exit {run.returncode}\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
     assert len(summaries) == 2, report  # one per worker; the server's process ended in init()
     assert all(re.fullmatch(rf"{TESTS} passed(, \d+ warnings?)? in [\d.]+s( \(.*\))?", s.strip("= "))
                for s in summaries), report
     assert run.returncode == 0, report
-    assert elapsed < 60, report
 
 
 def test_a_failure_after_the_agreement_ends_the_job_at_once():
-    """Worker 1 fails while the others wait for its data (the deadline is 600 s): the job ends now, naming it."""
-    start = time.monotonic()
+    """Worker 1 fails while the others wait for its data: the job ends now, naming it (the deadline, 600 s,
+    outlasts the launch's, which would kill the job and fail the test)."""
     run = run_mpi(SUITE, 3, "--fail-after-agreement", servers=1, timeout=120, env={"IMERGE_TIMEOUT_S": "600"})
-    elapsed = time.monotonic() - start
-    report = f"exit {run.returncode} after {elapsed:.0f} s\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    report = f"exit {run.returncode}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert run.returncode != 0 and "went on" not in run.stdout, report
     assert "IMerge worker 1 (world rank 1): allreduce of tensor 'staged' failed on this worker after every worker " \
            "had agreed on it" in run.stderr and "MemoryError" in run.stderr, report
-    assert elapsed < 60, report

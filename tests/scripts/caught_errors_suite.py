@@ -155,6 +155,15 @@ def test_mismatched_shapes_raise_on_every_worker(workers):
     in_step(rank, size, 17)
 
 
+def test_a_parameter_table_that_differs_on_one_worker_raises_on_every_worker(workers):
+    """broadcast_parameters: worker 1 names one tensor differently; every worker raises, naming it."""
+    rank, size = workers
+    params = {"weight" if rank != 1 else "weight_renamed": torch.ones(2, 2), "bias": torch.zeros(2)}
+    with pytest.raises(ValueError, match=r"the tensors of worker\(s\) \[1\] differ from worker 0's"):
+        hvd.broadcast_parameters(params, root_rank=0)
+    in_step(rank, size, 19)
+
+
 def fail_after_agreement() -> None:
     """Worker 1 fails to stage its tensor after every worker agreed on the allreduce: the others
     wait for its data, so the job must end at once, naming it."""
