@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -238,12 +237,10 @@ def test_a_bridge_address_every_host_holds_is_passed_over(docker_hosts):
 
 
 def test_unspecified_master_addr_across_hosts_ends_fast_on_every_worker(two_hosts):
-    """MASTER_ADDR=0.0.0.0 used to make the workers on host 1 connect to themselves until timeout_s."""
-    start = time.monotonic()
-    run = _launch(two_hosts, {"MASTER_ADDR": "0.0.0.0", "IMERGE_TIMEOUT_S": "60"})
-    took = time.monotonic() - start
+    """MASTER_ADDR=0.0.0.0 used to make the workers on host 1 connect to themselves until timeout_s: with
+    a timeout_s (600 s) longer than the launch's, a wait would kill the job and fail the test."""
+    run = _launch(two_hosts, {"MASTER_ADDR": "0.0.0.0", "IMERGE_TIMEOUT_S": "600"})
     assert run.returncode != 0
     assert "MASTER_ADDR='0.0.0.0' is an unspecified address" in run.stderr, run.stderr[-3000:]
     for worker in (1, 2, 3):
         assert f"IMerge worker {worker}: worker 0 could not set up the rendezvous" in run.stderr, run.stderr[-3000:]
-    assert took < 60, f"{took:.0f} s: as long as the workers' timeout, so they waited for the rendezvous"

@@ -1,6 +1,5 @@
 """imerge_hooks.join(): every worker calls it when out of data; the others finish their iterations."""
 
-import time
 from pathlib import Path
 
 import torch
@@ -43,12 +42,10 @@ def test_uneven_batches_then_every_worker_holds_the_last_joiners_model(tmp_path)
 
 
 def test_plan_change_during_join_raises_at_once(tmp_path, cost_model_dir):
-    """Worker 1 joins after 2 steps; worker 0's plan change at step 3 cannot happen without it."""
-    start = time.monotonic()
+    """Worker 1 joins after 2 steps; worker 0's plan change at step 3 cannot happen without it: the job
+    ends at once (timeout_s, 600 s, outlasts the launch's, which would kill the job and fail the test)."""
     run = run_mpi(SCRIPT, 3, str(tmp_path / "final-{rank}.pt"), "adaptive-ps", "6", "2", servers=1, timeout=120,
                   env={"IMERGE_PROFILE_STEPS": "3", "IMERGE_TIMEOUT_S": "600",
                        "IMERGE_COST_MODEL_PATH": str(cost_model_dir / "ps-{workers}w-{servers}s-{hosts}.json")})
-    elapsed = time.monotonic() - start
     assert run.returncode != 0
     assert "waits in join()" in run.stderr and "IMerge worker 1" in run.stderr, run.stderr[-3000:]
-    assert elapsed < 60, elapsed
