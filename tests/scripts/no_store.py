@@ -2,11 +2,13 @@
 ``DistributedOptimizer`` runs; ``worker_group()`` says how to initialise torch.distributed instead.
 
 Usage: IMERGE_TORCH_STORE=0 python no_store.py   (W workers + 1 server). Each worker prints
-``@<rank> LISTENING <ports>`` (MPI's own listen too), ``@<rank> ENV <name=value ...>``,
+``@<rank> LISTENING <ports>`` (MPI's own listen too), ``@<rank> PROBE <port> <ports>`` (the ports again
+while it listens on ``port`` itself: the check sees a listener), ``@<rank> ENV <name=value ...>``,
 ``@<rank> GRAD <value>`` and ``@<rank> GROUP <error>``.
 """
 
 import os
+import socket
 
 import torch
 from common import say
@@ -32,7 +34,7 @@ def listening_ports() -> list[int]:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in inodes:
                     ports.append(int(fields[1].rsplit(":", 1)[1], 16))
-    return sorted(ports)
+    return sorted(set(ports))
 
 
 imh.init()
@@ -43,6 +45,8 @@ opt.zero_grad()
 model(torch.ones(2, 4) * (rank + 1)).sum().backward()
 opt.step()
 say(rank, "LISTENING", " ".join(map(str, listening_ports())) or "none")
+with socket.create_server(("127.0.0.1", 0)) as probe:  # the check sees a listening socket of this process
+    say(rank, "PROBE", probe.getsockname()[1], " ".join(map(str, listening_ports())))
 say(rank, "ENV", " ".join(f"{name}={os.environ[name]}" for name in TORCH_ENV if name in os.environ) or "none")
 say(rank, "GRAD", float(model.weight.grad[0, 0]))
 try:
