@@ -21,8 +21,9 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 IMERGE_NUM_SERVERS=$(SERVERS) $(VENV)/bin/mpiexec -n $$(( $(WORKERS) + $(SERVERS) )) \
 		$(PY) examples/lightning_digits.py
 
+# Two test files at a time (--dist loadfile keeps a file's shared launches in one process).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # On a GPU machine: tests/gpu, then the GPU benchmark (benchmarks/results/gpu.json). GPU_PY=python3 uses a
 # Python that already holds CUDA torch, mpi4py and an MPI instead of .venv (nothing is installed then).
