@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..layout import key_owner
 from ..plan.search import SearchBudgetSpent
 from ..schedule import Credit, ReadyQueue, key_slots
@@ -35,13 +37,25 @@ class _Msg:
     links: tuple[int, ...]  # (sender's host egress, receiver's host ingress), or (their host's local link,)
     kind: str = ""  # "" (push or result), "contrib" or "fwd"
     pair: tuple[int, int] = (0, 0)  # (sender rank, receiver rank): one message at a time per pair
-    remaining: float = 0.0
-    rate: float = 0.0
     start: float = 0.0
-    stamp: int = -1
     fid: int = -1
     weight: float = 1.0  # share of a bottleneck relative to the other flows (uneven incast sharing)
     coefs: tuple[float, ...] = (1.0, 1.0)  # per link: the bytes it carries per byte of this flow (folding)
+    table: _FlowTable | None = None  # the network's flows, while this one is in flight
+    row: int = -1  # its row there (-1 until it has one)
+    cls: int = -1  # its class there (the same links and coefficients)
+
+    @property
+    def rate(self) -> float:
+        """Bytes/s while in flight (the max-min fair rate last computed; 0 before the first)."""
+        return float(self.table.rate[self.row]) if self.table is not None and self.row >= 0 else 0.0
+
+    @property
+    def remaining(self) -> float:
+        """Bytes still to send while in flight (as of the network's last advance)."""
+        if self.table is not None and self.row >= 0:
+            return float(self.table.remaining[self.row])
+        return float(self.nbytes)
 
 
 @dataclass(slots=True)
@@ -55,12 +69,242 @@ class _Worker:
     op_start: float = 0.0
 
 
-_FABRIC = -1  # the shared fabric link's id (host links are >= 0)
+def max_min_levels(links: np.ndarray, coefs: np.ndarray, weight: np.ndarray, capacity: np.ndarray,
+                   tie: float = 1e-12) -> np.ndarray:
+    """Weighted max-min fair allocation by progressive filling, vectorised: flow i's rate is
+    ``weight[i]`` x the level returned for it.
+
+    Flow i crosses links ``links[i, j]``, each carrying ``coefs[i, j]`` bytes per byte of the flow; link id
+    ``len(capacity)`` pads the row of a flow that crosses fewer links (its coefficient does not matter).
+    Weights and the other coefficients must be positive. Each round finds the smallest share per unit of
+    weight (capacity left / the weight x coefficient of its unfrozen flows) over the links that still
+    carry unfrozen flows, freezes every unfrozen flow that crosses a link within ``tie`` (relative) of
+    that level at this level, and takes their rates off every link they cross (never below 0).
+    Symmetric workers make many links tie, so a handful of rounds suffice. With all weights and
+    coefficients 1 this is plain max-min fairness. A flow whose link is already full gets level 0.
+    """
+    n = len(weight)
+    level = np.zeros(n)
+    if not n:
+        return level
+    pad = len(capacity)
+    size = pad + 1
+    cap = np.empty(size)
+    cap[:pad] = capacity
+    cap[pad] = np.inf  # limits nothing: never the smallest share
+    # One row per link slot, one column per unfrozen flow: ravel() is then a view, and the slots of the
+    # flows taken out of a round are whole columns.
+    at = np.ascontiguousarray(links.T)
+    load_of = np.ascontiguousarray((coefs * weight[:, None]).T)  # its weight on each link it crosses
+    rows = np.arange(n)
+    load = np.bincount(at.ravel(), load_of.ravel(), size)  # the unfrozen flows' weight on every link
+    with np.errstate(divide="ignore", invalid="ignore"):  # links without unfrozen flows: x / 0, 0 / 0
+        while True:
+            share = cap / load
+            fill = np.fmin.reduce(share)  # NaN (a full link without flows) is no share
+            hit = np.logical_or.reduce((share <= fill * (1.0 + tie)).take(at))  # crosses a link at the level
+            if np.count_nonzero(hit) == len(rows):
+                level[rows] = fill
+                return level
+            level[rows[hit]] = fill
+            keep = (~hit).nonzero()[0]
+            rows, at, load_of = rows.take(keep), at.take(keep, axis=1), load_of.take(keep, axis=1)
+            left = np.bincount(at.ravel(), load_of.ravel(), size)
+            cap -= fill * (load - left)  # the rates just frozen (all at this level)
+            np.maximum(cap, 0.0, out=cap)
+            load = left
 
 
-def _coef(f: _Msg, link: int) -> float:
-    """Bytes ``link`` carries per byte of flow ``f`` (1 on the fabric)."""
-    return f.coefs[f.links.index(link)] if link in f.links else 1.0
+_GAP = np.array([0.0, math.inf, 0.0, 0.0])  # a finished flow's row in _FlowTable.vals
+
+
+class _FlowTable:
+    """The flows in flight as numpy rows, in the order they started (rows 0..n-1, row i is flow ``msgs[i]``;
+    flows started since the last array operation wait in ``pending``), so that advancing them, finding
+    the next to finish and their rates are whole-array operations. A finished flow leaves a gap (weight
+    and rate 0, infinitely many bytes left: never due) until gaps are half the rows.
+
+    Flows that cross the same links with the same coefficients form a class: they freeze together in the
+    progressive filling, so the max-min levels are computed over classes with their flows' summed
+    weights, and a flow's rate is its weight x its class's level. Workers repeat the same traffic
+    pattern every iteration, so the levels are kept per pattern (the classes' summed weights): a
+    pattern met again costs a lookup. Without a fabric, a host's local link carries only the transfers
+    inside the host, which cross no other link: their level is the link's capacity / their weight on it
+    (as progressive filling gives them), and they are left out of the pattern, which they would
+    multiply."""
+
+    _MEMO_BYTES = 128 << 20  # the kept levels are dropped past this size
+
+    def __init__(self, capacity: np.ndarray, fabric: bool, local_from: int) -> None:
+        self.capacity = capacity  # per link id; the last one is the fabric
+        self.pad = len(capacity)
+        self.fabric = len(capacity) - 1 if fabric else self.pad
+        self.local_from = local_from if not fabric else self.pad  # local link ids (to the fabric's)
+        self.n = 0
+        self.gaps = 0
+        self.msgs: list[_Msg | None] = []  # by row (None: a gap)
+        self.pending: list[_Msg] = []
+        self.class_of: dict[tuple, int] = {}  # (links, coefs) -> class
+        self.class_rows: list[tuple[tuple[int, int, int], tuple[float, float, float]]] = []
+        self.local: list[bool] = []  # per class: on a local link alone
+        self.class_links = np.zeros((0, 3), dtype=np.intp)
+        self.class_coefs = np.zeros((0, 3))
+        self.class_net = np.zeros(0)  # per class: 1 if it is in the pattern, else 0
+        self.local_link = np.zeros(0, dtype=np.intp)  # per class: its local link, or the padding id
+        self.local_coef = np.zeros(0)  # per class: its coefficient there, or 0
+        self.memo: dict[bytes, tuple[np.ndarray, bool]] = {}  # pattern -> levels by class, any of them 0
+        self.memo_bytes = 0
+        # Since the last rates: each class's weight in minus out (where it is not 0, the pattern or a local
+        # link changed), all weights anew, and how many rows (at most) are new, at the end.
+        self.delta: dict[int, float] = {}
+        self.reweigh = True
+        self.unrated = 0
+        self.net_level = self.local_level = self.by_class = np.zeros(0)  # the last rates' levels per class
+        self.net_zero = self.local_zero = False  # some level is 0 (a full link): the floor applies
+        self.any_full = bool(np.count_nonzero(capacity <= 0.0))
+        self._resize(256)
+
+    def _resize(self, rows: int) -> None:
+        vals = np.zeros((rows, 4))  # weight, bytes left, rate, bytes x 1e-12 (rounding: done when left below)
+        cls = np.zeros(rows, dtype=np.intp)
+        if self.n:
+            vals[:self.n] = self.vals[:self.n]
+            cls[:self.n] = self.cls[:self.n]
+        self.vals, self.cls = vals, cls
+        self.weight, self.remaining, self.rate, self.slack = vals.T
+
+    def add(self, m: _Msg) -> None:
+        key = (m.links, m.coefs)
+        c = self.class_of.get(key)
+        if c is None:
+            c = self.class_of[key] = len(self.class_rows)
+            two = len(m.links) > 1
+            self.class_rows.append(((m.links[0], m.links[1] if two else self.pad, self.fabric),
+                                    (m.coefs[0], m.coefs[1] if two else 0.0, 1.0)))
+            self.local.append(not two and m.links[0] >= self.local_from)
+        m.table, m.cls = self, c
+        self.pending.append(m)
+        self.delta[c] = self.delta.get(c, 0.0) + m.weight
+
+    def flush(self) -> None:
+        """Give the pending flows their rows (rate 0 until the next max-min)."""
+        new = self.pending
+        if not new:
+            return
+        if self.gaps and self.n + len(new) > len(self.vals):
+            self._compact()
+        n, k = self.n, len(new)
+        if n + k > len(self.vals):
+            self._resize(2 * (n + k))
+        self.vals[n:n + k] = [(m.weight, m.nbytes, 0.0, m.nbytes * 1e-12) for m in new]
+        self.cls[n:n + k] = [m.cls for m in new]
+        for row, m in enumerate(new, n):
+            m.row = row
+        self.msgs += new
+        self.n = n + k
+        self.unrated += k
+        self.pending = []
+
+    def remove(self, rows: np.ndarray) -> list[_Msg]:
+        """Take out the flows of these rows (ascending; flushed); returns them in the order they started."""
+        msgs, delta = self.msgs, self.delta
+        done = [msgs[row] for row in rows.tolist()]
+        for m in done:
+            msgs[m.row] = None
+            m.table, m.row = None, -1
+            delta[m.cls] = delta.get(m.cls, 0.0) - m.weight
+        self.vals[rows] = _GAP
+        self.gaps += len(done)
+        if 2 * self.gaps > self.n:
+            self._compact()
+        return done
+
+    def _compact(self) -> None:
+        keep = [row for row, m in enumerate(self.msgs) if m is not None]
+        n = len(keep)
+        self.vals[:n] = self.vals[keep]
+        self.cls[:n] = self.cls[keep]
+        self.msgs = [self.msgs[row] for row in keep]
+        for row, m in enumerate(self.msgs):
+            m.row = row
+        self.n, self.gaps = n, 0
+
+    @property
+    def flowing(self) -> int:
+        """How many flows have rows."""
+        return self.n - self.gaps
+
+    def reweighted(self) -> None:
+        """Flows' weights changed (in ``weight``)."""
+        self.reweigh = True
+
+    def _new_classes(self) -> None:
+        k, have = len(self.class_rows), len(self.class_links)
+        links, coefs = zip(*self.class_rows[have:])
+        local = np.array(self.local[have:])
+        links, coefs = np.array(links, dtype=np.intp), np.array(coefs)
+        self.class_links = np.concatenate([self.class_links, links])
+        self.class_coefs = np.concatenate([self.class_coefs, coefs])
+        self.class_net = np.concatenate([self.class_net, np.where(local, 0.0, 1.0)])
+        self.local_link = np.concatenate([self.local_link, np.where(local, links[:, 0], self.pad)])
+        self.local_coef = np.concatenate([self.local_coef, np.where(local, coefs[:, 0], 0.0)])
+        self.net_level = np.concatenate([self.net_level, np.zeros(k - have)])
+        self.local_level = np.concatenate([self.local_level, np.zeros(k - have)])
+
+    def set_rates(self, floor: float) -> None:
+        """Every flushed flow's rate: its weight x its class's max-min level (``max_min_levels`` over the
+        classes in flight); ``floor`` where that is 0."""
+        n = self.n
+        if len(self.class_links) < len(self.class_rows):
+            self._new_classes()
+        k = len(self.class_rows)
+        cls = self.cls[:n]
+        weight = self.weight[:n]
+        changed = [self.reweigh or len(self.by_class) < k] * 2  # of the pattern, on local links
+        for c, moved in self.delta.items():
+            if moved:
+                changed[self.local[c]] = True
+        self.delta.clear()
+        self.reweigh = False
+        net_changed, local_changed = changed
+        if not (net_changed or local_changed):  # the same levels: the rows added since need their rates
+            new = slice(max(0, n - self.unrated), n)
+            np.multiply(self.by_class.take(self.cls[new]), self.weight[new], out=self.rate[new])
+        else:
+            summed = np.bincount(cls, weight, k)
+            if net_changed:
+                pattern = summed * self.class_net
+                live = pattern.nonzero()[0]
+                pattern = pattern.take(live)
+                key = live.tobytes() + pattern.tobytes()
+                got = self.memo.get(key)
+                if got is None:
+                    level = max_min_levels(self.class_links.take(live, axis=0), self.class_coefs.take(live, axis=0),
+                                           pattern, self.capacity)
+                    by_class = np.zeros(k)
+                    by_class[live] = level
+                    got = by_class, bool(np.count_nonzero(level) < len(level))
+                    if self.memo_bytes > self._MEMO_BYTES:
+                        self.memo.clear()
+                        self.memo_bytes = 0
+                    self.memo[key] = got
+                    self.memo_bytes += len(key) + by_class.nbytes
+                by_class, self.net_zero = got
+                if len(by_class) < k:  # kept before classes met since (not in its pattern)
+                    by_class = np.concatenate((by_class, np.zeros(k - len(by_class))))
+                self.net_level = by_class
+            if local_changed:
+                load = np.bincount(self.local_link, summed * self.local_coef, self.pad + 1)[:self.pad]
+                share = np.zeros(self.pad + 1)
+                np.divide(self.capacity, load, out=share[:self.pad], where=load > 0.0)
+                self.local_level = share.take(self.local_link)
+                self.local_zero = self.any_full and bool(np.count_nonzero((load > 0.0) & (self.capacity <= 0.0)))
+            self.by_class = self.net_level + self.local_level
+            np.multiply(self.by_class.take(cls), weight, out=self.rate[:n])
+        self.unrated = 0
+        if self.net_zero or self.local_zero:
+            rate = self.rate[:n]
+            rate[rate <= 0.0] = floor
 
 
 class _Sim:
@@ -147,11 +391,13 @@ class _Sim:
         self.key_count = [0] * len(key_bytes)
         self.key_expected = [len({self.owner(k, r) for r in range(workers)}) for k in range(len(key_bytes))]
         self.channels: dict[tuple[int, int], deque[_Msg]] = {}
-        self.flows: dict[int, _Msg] = {}  # active flows by id (insertion order: deterministic)
+        # Active flows; link capacities by id: egress, ingress, local links, then the fabric.
+        capacity = np.array([self.B] * (2 * self.H) + [self.local_B] * self.H
+                            + [math.inf if self.fabric is None else self.fabric])
+        self.net = _FlowTable(capacity, self.fabric is not None, 2 * self.H)
         self.net_t = 0.0
         self.net_dirty = False
         self.net_version = 0
-        self.stamp = 0
         self.heap: list = []
         self.seq = itertools.count()
         self.fid = itertools.count()
@@ -440,9 +686,9 @@ class _Sim:
     # ------------------------------------------------------------------ network (fluid, max-min fair)
     def _net_advance(self) -> None:
         dt = self.now - self.net_t
-        if dt > 0:
-            for f in self.flows.values():
-                f.remaining -= f.rate * dt
+        n = self.net.n
+        if dt > 0 and n:
+            self.net.remaining[:n] -= self.net.rate[:n] * dt
         self.net_t = self.now
 
     def _send(self, m: _Msg) -> None:
@@ -460,21 +706,23 @@ class _Sim:
                 self._enter_share_period()
                 self._schedule_share_event()
             m.weight = self._share_weight(m.worker, m.server)
-        m.remaining = float(m.nbytes)
-        m.rate = 0.0
         m.start = self.now
         m.fid = next(self.fid)
-        self.flows[m.fid] = m
+        self.net.add(m)
         self.net_dirty = True
 
     def _net_event(self) -> None:
         self._net_advance()
-        done = [f for f in self.flows.values() if f.remaining <= f.rate * 1e-10 + f.nbytes * 1e-12]
-        if not done:  # rounding: the flow this event was scheduled for is due now
-            done = [min(self.flows.values(), key=lambda f: f.remaining / f.rate)]
+        net = self.net
+        net.flush()
+        n = net.n
+        remaining, rate = net.remaining[:n], net.rate[:n]
+        rows = (remaining <= rate * 1e-10 + net.slack[:n]).nonzero()[0]
+        if not rows.size:  # rounding: the flow this event was scheduled for is due now (the first started, on a tie)
+            with np.errstate(divide="ignore"):  # a flow started at this instant has no rate yet
+                rows = np.argmin(remaining / rate).reshape(1)
+        done = net.remove(rows)
         self.net_dirty = True
-        for f in done:
-            del self.flows[f.fid]
         for f in done:
             queue = self.channels[f.pair]
             queue.popleft()
@@ -505,9 +753,13 @@ class _Sim:
         """A share period ended: active pushes get this period's weights (the next event only while pushes flow)."""
         self._net_advance()
         self._enter_share_period()
-        pushes = [f for f in self.flows.values() if f.push]
-        for f in pushes:
-            f.weight = self._share_weight(f.worker, f.server)
+        pushes = False
+        self.net.flush()
+        for row, f in enumerate(self.net.msgs):
+            if f is not None and f.push:
+                f.weight = self.net.weight[row] = self._share_weight(f.worker, f.server)
+                pushes = True
+        self.net.reweighted()
         self.net_dirty = True
         self.share_event_at = math.inf
         if pushes:
@@ -515,74 +767,21 @@ class _Sim:
 
     def _reschedule_net(self) -> None:
         self._net_advance()
+        self.net.flush()
         self._max_min()
         self.net_dirty = False
         self.net_version += 1
-        if self.flows:
-            dt = min(f.remaining / f.rate for f in self.flows.values())
+        n = self.net.n
+        if self.net.flowing:
+            dt = float(np.fmin.reduce(self.net.remaining[:n] / self.net.rate[:n]))
             self._push_event(self.now + max(dt, 0.0), _EV_NET, self.net_version)
 
     def _max_min(self) -> None:
-        """Weighted max-min fair rates by progressive filling (every link has capacity B; the
-        optional fabric link, crossed by every flow, has capacity ``fabric``).
-
-        Each round finds the smallest share per unit of weight (remaining capacity / unfrozen
-        flows' weight) over the links and freezes every flow of every link at that level
-        (rate = weight x level); symmetric workers make many links tie, so a handful of rounds
-        suffice. With all weights 1 this is plain max-min fairness.
-        """
-        flows = self.flows
-        if not flows:
-            return
-        self.stamp += 1
-        stamp = self.stamp
-        members: dict[int, list[_Msg]] = {}
-        weight: dict[int, float] = {}
-        for f in flows.values():
-            for link, coef in zip(f.links, f.coefs):
-                lst = members.get(link)
-                if lst is None:
-                    members[link] = [f]
-                    weight[link] = f.weight * coef
-                else:
-                    lst.append(f)
-                    weight[link] += f.weight * coef
-        local = 2 * self.H
-        cap = {link: self.local_B if link >= local else self.B for link in members}
-        if self.fabric is not None:
-            members[_FABRIC] = list(flows.values())
-            cap[_FABRIC] = self.fabric
-            weight[_FABRIC] = sum(f.weight for f in flows.values())
-        count = {link: len(lst) for link, lst in members.items()}
-        live = list(members)
-        while live:
-            level = min(cap[link] / weight[link] for link in live)
-            limit = level * (1.0 + 1e-12)
-            for link in [link for link in live if cap[link] / weight[link] <= limit]:
-                if count[link] == 0:
-                    continue
-                for f in members[link]:
-                    if f.stamp == stamp:
-                        continue
-                    f.stamp = stamp
-                    f.rate = rate = level * f.weight
-                    for other, coef in zip(f.links, f.coefs):
-                        left = cap[other] - rate * coef
-                        cap[other] = left if left > 0.0 else 0.0
-                        count[other] -= 1
-                        weight[other] -= f.weight * coef
-                    if self.fabric is not None:
-                        left = cap[_FABRIC] - rate
-                        cap[_FABRIC] = left if left > 0.0 else 0.0
-                        count[_FABRIC] -= 1
-                        weight[_FABRIC] -= f.weight
-            live = [link for link in live if count[link] > 0]
-            for link in live:  # rounding must not leave a live link with no weight
-                if weight[link] <= 0.0:
-                    weight[link] = sum(f.weight * _coef(f, link) for f in members[link] if f.stamp != stamp)
-        for f in flows.values():  # a flow squeezed to zero by rounding must still progress
-            if f.rate <= 0.0:
-                f.rate = self.B * 1e-9
+        """The flows' weighted max-min fair rates over every link (``_FlowTable.set_rates``): host links of
+        capacity B, local links of ``local_B`` and the optional fabric every flow crosses. A flow squeezed
+        to zero by rounding still progresses (B x 1e-9)."""
+        if self.net.flowing:
+            self.net.set_rates(self.B * 1e-9)
 
 
 def connection_weight(cv: float, seed: int, epoch: int, worker: int, server: int) -> float:
