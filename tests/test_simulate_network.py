@@ -119,6 +119,13 @@ def test_max_min_matches_the_reference_on_random_flows(seed):
              for m in flows]
     sim.net.remove(np.array([m.row for m in now], dtype=np.intp))
     assert network_rates(sim, again) == first
+    # One flow ends and a like one starts: the same pattern, the same rates, the new flow's too.
+    i = rng.randrange(len(again))
+    m = again[i]
+    like = _Msg(m.push, m.worker, m.server, 0, 1000, m.links, "", m.pair, weight=m.weight, coefs=m.coefs)
+    sim.net.remove(np.array([m.row], dtype=np.intp))
+    network_rates(sim, [like])
+    assert_close([f.rate for f in again[:i] + again[i + 1:] + [like]], first[:i] + first[i + 1:] + [first[i]])
 
 
 def test_a_full_link_still_lets_its_flows_progress():
