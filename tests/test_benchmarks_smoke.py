@@ -35,7 +35,8 @@ def _console_scripts() -> dict[str, str]:
     return dict(tuple(part.strip() for part in line.split("=")) for line in lines)
 
 
-@pytest.mark.parametrize("name", ["imerge-timeline-report", "imerge-calibrate", "imerge-transport-check"])
+@pytest.mark.parametrize("name", ["imerge-timeline-report", "imerge-calibrate", "imerge-transport-check",
+                                  "imerge-whatif"])
 def test_user_tools_are_installed_commands(name):
     """The user tools the README names are installed next to this Python and answer --help (no MPI started)."""
     assert name in _console_scripts()

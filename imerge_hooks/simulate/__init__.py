@@ -74,12 +74,32 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
 ``SimResult.iteration_s`` is the time between consecutive starts of layer 0's forward (the
 latest worker), averaged over all iterations but the first (the first one starts with no
 communication pending); with ``iterations=1`` it is that single iteration.
+
+The all-reduce peers (DDP's and Horovod's ring, Horovod's hierarchical all-reduce) run on the same
+model and cluster with :func:`simulate_allreduce` (``allreduce``); the ``imerge-whatif`` command
+(``imerge_hooks.whatif``) sets them beside IMerge for a cluster described on its command line.
 """
 
+from .allreduce import (
+    ALLREDUCE_SCHEDULES,
+    DDP_BUCKET_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
+    HOROVOD_FUSION_BYTES,
+    PEER_SCHEDULES,
+    STEP_LATENCY_S,
+    allreduce_bound_s,
+    ddp_buckets,
+    hierarchical_allreduce_s,
+    ring_allreduce_s,
+    simulate_allreduce,
+)
 from .loop import connection_weight
 from .results import Event, KeyInfo, SimResult
 from .run import calibrate_model, fold_factor, search_by_simulation, simulate
 from .specs import EVENT_KINDS, FOLD_ABOVE, FOLD_WORKERS, ClusterSpec, LayerSpec, ModelSpec
 
-__all__ = ["EVENT_KINDS", "FOLD_ABOVE", "FOLD_WORKERS", "ClusterSpec", "Event", "KeyInfo", "LayerSpec", "ModelSpec",
-           "SimResult", "calibrate_model", "connection_weight", "fold_factor", "search_by_simulation", "simulate"]
+__all__ = ["ALLREDUCE_SCHEDULES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "EVENT_KINDS", "FOLD_ABOVE",
+           "FOLD_WORKERS", "HOROVOD_FUSION_BYTES", "PEER_SCHEDULES", "STEP_LATENCY_S", "ClusterSpec", "Event",
+           "KeyInfo", "LayerSpec", "ModelSpec", "SimResult", "allreduce_bound_s", "calibrate_model",
+           "connection_weight", "ddp_buckets", "fold_factor", "hierarchical_allreduce_s", "ring_allreduce_s",
+           "search_by_simulation", "simulate", "simulate_allreduce"]
