@@ -151,7 +151,7 @@ def test_mgwfbp_merges_when_wait_is_shorter_than_alpha():
     assert p.groups == [[0], [1]]
 
 
-def test_mgwfbp_on_ps_model_uses_linear_fit_but_ps_times():
+def test_mgwfbp_on_ps_model_uses_its_line_but_ps_times():
     sizes, ready = [float(MiB)] * 5, [0.001 * i for i in range(5)]
     p = plan(sizes, ready, PS, "mgwfbp")
     check_valid(p, 5)

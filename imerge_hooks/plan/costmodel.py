@@ -2,7 +2,8 @@
 
 The planner only needs ``T(m)``, monotone in m. Two models are provided:
 
-- :class:`LinearModel` (``alpha + beta*m``), the all-reduce model MG-WFBP assumes;
+- :class:`LinearModel` (``alpha + beta*m``), the all-reduce model MG-WFBP assumes (for the PS,
+  :func:`mgwfbp_model` derives its alpha and beta from a measured table);
 - :class:`PSModel`, a table measured on the real many-to-one parameter-server pattern
   (every worker pushes and pulls m bytes at once), because its startup cost grows quickly
   with the number of workers (incast) and a straight line misjudges it.
@@ -270,10 +271,40 @@ def extend_table(sizes: Sequence[float], times: Sequence[float], grid: Sequence[
     return [float(t) for t in times] + [t_top + slope * (float(m) - top) for m in grid[n:]]
 
 
+def mgwfbp_model(model: PSModel) -> LinearModel:
+    """MG-WFBP's ``alpha + beta*m`` for the PS, from a measured table: ``alpha = a/S``,
+    ``beta = W/(2*S*B)`` (half the table's slope).
+
+    MG-WFBP (Shi, Chu, Li, INFOCOM 2019; reference code HKBU-HPML/MG-WFBP) times one all-reduce
+    of each size alone, one after another (``CommunicationProfiler``: op, then sync), fits
+    ``alpha + beta*m`` and runs its merge rule on one channel that carries one message at a
+    time: a message starts when its gradients are ready and the previous message has ended, and
+    lasts ``alpha + beta*m``; merging two messages saves ``alpha``. For an all-reduce the time
+    of one message alone is also how long it holds the channel, so the isolated times are that
+    model. For the PS they are not, and the line fitted to the table (``alpha = a``, ``beta`` =
+    its slope) misreads both terms:
+
+    * ``a`` is W pushes in a row at one server: the calibration gives every server one key and
+      each server works W startups for it, all servers at once. A job's groups go one per server
+      (the least loaded; large ones spread over all), so the S servers work on different groups
+      in parallel and one group more costs ``a/S`` of the critical path (the server's per-push
+      startup times W/S). That is what merging two groups saves when startups are the bound.
+    * the slope counts every byte twice: a round trip pushes m bytes and then receives m bytes,
+      in opposite directions of the busiest full-duplex link. Groups in a row overlap one's
+      result with the next one's push, so a group holds the channel for the next one half the
+      slope per byte (the link's own rate, as ``ClusterSpec.from_psmodel`` reads the table).
+
+    Both come from the fit ``a + W*m/(S*B)`` that :class:`PSModel` keeps, so the engine (its
+    measured table) and the simulator (``calibrate_model``) derive the same line.
+    """
+    return LinearModel(alpha=model.a / model.servers,
+                       beta=model.workers / (2.0 * model.servers * model.bandwidth))
+
+
 def planner_model(method: str, model: CostModel) -> CostModel:
-    """The model a planner method judges plans on: MG-WFBP's line fitted to a measured PS table
-    (as its paper assumes alpha + beta*m), every other method the model itself."""
+    """The model a planner method judges plans on: for ``mgwfbp`` on a measured PS table, the
+    alpha-beta line its rule assumes (:func:`mgwfbp_model`); every other method the model itself."""
     if method == "mgwfbp" and isinstance(model, PSModel):
-        return LinearModel.fit(model.sizes, model.times)
+        return mgwfbp_model(model)
     return model
 
