@@ -4,8 +4,9 @@
 
 For every benchmark profile, W and S in (W, W/2), on the cluster ``benchmarks/plan_time.py`` uses
 (1 Gbit/s links, 200 us startup, the simulator's calibration as cost model): the iteration time of
-``wfbp`` (no stagger: the fold is exact) and ``imerge`` (the DP plan, with stagger: the fold is an
-upper bound) simulated folded and with every worker, the same plan in both, and the seconds each took.
+``wfbp`` (no stagger: the fold is exact) and ``imerge`` (the DP plan, with stagger: exact where the
+simulated workers are a multiple of S, else servers are folded too, approximately: ``orbits``) simulated
+folded and with every worker, the same plan in both, and the seconds each took.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
-    print(f"{'profile':<10} {'W':>4} {'S':>4} {'schedule':<8} {'every worker':>13} {'folded':>9} {'error':>8} "
+    print(f"{'profile':<10} {'W':>4} {'S':>4} {'schedule':<8} {'fold':>4} {'orbits':>6} {'every worker':>13} "
+          f"{'folded':>9} {'error':>8} "
           f"{'s (every)':>10} {'s (fold)':>9}")
     for profile in PROFILES:
         spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json")
@@ -51,10 +53,12 @@ def main() -> None:
                     fold_s = time.perf_counter() - t
                     error = folded.iteration_s / full.iteration_s - 1
                     rows.append({"profile": profile, "workers": workers, "servers": servers, "schedule": schedule,
-                                 "fold": folded.fold, "every_worker_s": full.iteration_s,
+                                 "fold": folded.fold, "server_orbits": folded.server_orbits,
+                                 "every_worker_s": full.iteration_s,
                                  "folded_s": folded.iteration_s, "error": error, "cpu_every_s": full_s,
                                  "cpu_folded_s": fold_s})
-                    print(f"{profile:<10} {workers:>4} {servers:>4} {schedule:<8} {full.iteration_s:>13.4f} "
+                    print(f"{profile:<10} {workers:>4} {servers:>4} {schedule:<8} {folded.fold:>4} "
+                          f"{folded.server_orbits or '-':>6} {full.iteration_s:>13.4f} "
                           f"{folded.iteration_s:>9.4f} {100 * error:>+7.2f}% {full_s:>10.2f} {fold_s:>9.2f}",
                           flush=True)
     if args.out:

@@ -46,6 +46,10 @@ class _Task:
     def nbytes(self) -> int:
         return self.group.keys[self.slot].nbytes
 
+    @property
+    def server(self) -> int:
+        return self.group.keys[self.slot].server
+
 
 @dataclass
 class _InFlight:
@@ -223,7 +227,7 @@ class CommThread:
             inflight[id(op)] = op
             sends.add(op.send, op)
             recvs.add(op.recv, op)
-            flow.credit.started(task.nbytes)
+            flow.credit.started(task.nbytes, task.server)
             started = True
         return started
 
@@ -235,10 +239,7 @@ class CommThread:
             # Credit comes back when the push is delivered, not when the result is: the
             # server always drains pushes, so credit never waits on another worker.
             op.send_done = True
-            credit = op.task.flow.credit
-            credit.delivered(op.task.nbytes)
-            if op.task.group.urgent:
-                credit.urgent_delivered()
+            op.task.flow.delivered(op.task.nbytes, op.task.server, op.task.group.urgent)
             progressed = True
             if op.recv_done:
                 del inflight[id(op)]
@@ -289,7 +290,7 @@ class CommThread:
             task = op.task
             if op.kind == "gather":  # the host's sum is ready: it waits for credit like any push
                 task.buffer = task.group.add_contributions(task.slot, len(op.peers))
-                task.flow.ready.add(task, task.nbytes, task.priority, task.group.urgent)
+                task.flow.ready.add(task, task.nbytes, task.priority, task.group.urgent, task.server)
             else:
                 self._finish(task, op.started)
         return bool(finished)
@@ -378,7 +379,7 @@ class CommThread:
         for slot in slots:
             task = _Task(group, slot, flow, prio)
             if self.host_size == 1:
-                flow.ready.add(task, task.nbytes, prio, group.urgent)
+                flow.ready.add(task, task.nbytes, prio, group.urgent, task.server)
             elif key_owner(group.keys[slot].key, self.host_size) == self.local_rank:
                 self._start_local(task, "gather")
             else:

@@ -42,7 +42,7 @@ class GradientEngine:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._check_parameters()
         traits = config.traits
-        self.policy = SchedulePolicy.from_config(config)
+        self.policy = SchedulePolicy.from_config(config, self.topo.num_servers)
         self.immediate = not traits.push_after_backward
         self.passes = config.backward_passes_per_step
         self.iteration = 0

@@ -47,24 +47,47 @@ class SchedulePolicy:
     stagger: bool = False
     credit_bytes: int | None = None  # None: unlimited
     tail_credit_bytes: int | None = None  # None: no tail credit
+    server_credit_bytes: int | None = None  # None: no window per server
 
     @classmethod
-    def from_config(cls, cfg: Config) -> SchedulePolicy:
-        """The one rule from a schedule's traits to its push policy (every front end uses it)."""
+    def from_config(cls, cfg: Config, servers: int = 1, credit_bytes: int | None = None) -> SchedulePolicy:
+        """The one rule from a schedule's traits to its push policy (every front end uses it).
+        ``credit_bytes``: the window a plan chose (None: ``cfg.credit_bytes``); see :func:`windows`."""
         traits = cfg.traits
-        return cls(priority=traits.priority, stagger=traits.stagger,
-                   credit_bytes=cfg.credit_bytes if traits.partition else None,
-                   tail_credit_bytes=cfg.tail_credit_bytes if traits.tail_credit else None)
+        if not traits.partition:
+            return cls(priority=traits.priority, stagger=traits.stagger)
+        credit, per_server = windows(cfg.credit_bytes if credit_bytes is None else credit_bytes,
+                                     cfg.partition_bytes, servers)
+        return cls(priority=traits.priority, stagger=traits.stagger, credit_bytes=credit,
+                   tail_credit_bytes=cfg.tail_credit_bytes if traits.tail_credit else None,
+                   server_credit_bytes=per_server)
+
+
+def windows(credit_bytes: int, partition_bytes: int, servers: int) -> tuple[int, int | None]:
+    """The credit windows of a partitioned schedule on ``servers`` servers: (a worker's window, its window
+    per server).
+
+    One window per worker lets every worker push the same few keys when they push in the same order
+    (priority: the front layers first), so those keys' servers take all the traffic while the others idle;
+    a window per server of one partition instead lets a worker feed each server one key at a time, its most
+    urgent one there, and a worker's window of at least one partition per server lets it reach them all.
+    With one server the worker's window alone decides."""
+    if servers <= 1:
+        return credit_bytes, None
+    return max(credit_bytes, servers * partition_bytes), partition_bytes
 
 
 class Credit:
-    """The credit and tail credit of one worker (``None``: no limit; see the module doc)."""
+    """The credit, tail credit and window per server of one worker (``None``: no limit; see the module doc)."""
 
-    def __init__(self, credit_bytes: int | None, tail_credit_bytes: int | None = None) -> None:
+    def __init__(self, credit_bytes: int | None, tail_credit_bytes: int | None = None,
+                 server_credit_bytes: int | None = None) -> None:
         self.credit = credit_bytes
         self.tail_credit = tail_credit_bytes
+        self.server_credit = server_credit_bytes
         self.urgent_left = 0  # > 0: in the tail, urgent keys not yet delivered (see the module doc)
         self.in_flight = 0  # pushed, not yet delivered
+        self.to_server: dict[int, int] = {}  # server -> its bytes in flight (with a window per server)
 
     @property
     def in_tail(self) -> bool:
@@ -80,40 +103,94 @@ class Credit:
             self.urgent_left -= 1
 
     def allows(self, nbytes: int, urgent: bool = True) -> bool:
+        """Whether the worker's window (and the tail credit) lets a push of ``nbytes`` start."""
         credit = self.credit
         if self.in_tail and not urgent:
             credit = self.tail_credit if credit is None else min(credit, self.tail_credit)
         return credit is None or not self.in_flight or self.in_flight + nbytes <= credit
 
-    def started(self, nbytes: int) -> None:
-        self.in_flight += nbytes
+    def server_allows(self, server: int) -> bool:
+        """Whether the window per server lets another push to ``server`` start (less than it in flight)."""
+        return self.server_credit is None or self.to_server.get(server, 0) < self.server_credit
 
-    def delivered(self, nbytes: int) -> None:
+    def started(self, nbytes: int, server: int = 0) -> None:
+        self.in_flight += nbytes
+        if self.server_credit is not None:
+            self.to_server[server] = self.to_server.get(server, 0) + nbytes
+
+    def delivered(self, nbytes: int, server: int = 0) -> None:
         self.in_flight -= nbytes
+        if self.server_credit is not None:
+            left = self.to_server[server] - nbytes
+            if left:
+                self.to_server[server] = left
+            else:
+                del self.to_server[server]
 
 
 class ReadyQueue:
-    """Keys waiting to be pushed, in schedule order: priority (lower first), then arrival."""
+    """Keys waiting to be pushed, in schedule order: priority (lower first), then arrival; with a window per
+    server, the first key whose server's window is open (see :meth:`take`)."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, Any, int, bool]] = []  # (priority, seq, item, nbytes, urgent)
         self._seq = itertools.count()
+        self._by_server: dict[int, list[tuple[int, int, Any, int, bool]]] = {}  # (priority, seq, item, nbytes, urgent)
+        self._heads: list[tuple[int, int, int]] = []  # (priority, seq, server): each open server's first key
+        self._parked: dict[int, tuple[int, int, int]] = {}  # server whose window is full -> its head entry
+        self._len = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return self._len
 
-    def add(self, item: Any, nbytes: int, priority: int, urgent: bool = False) -> None:
-        heapq.heappush(self._heap, (priority, next(self._seq), item, nbytes, urgent))
+    def add(self, item: Any, nbytes: int, priority: int, urgent: bool = False, server: int = 0) -> None:
+        seq = next(self._seq)
+        entry = (priority, seq, item, nbytes, urgent)
+        queue = self._by_server.get(server)
+        if queue is None:
+            queue = self._by_server[server] = []
+        self._len += 1
+        first = not queue or (priority, seq) < queue[0][:2]
+        heapq.heappush(queue, entry)
+        if not first:
+            return
+        head = (priority, seq, server)  # the server's new first key
+        if server in self._parked:
+            self._parked[server] = head
+            return
+        if len(queue) > 1:  # replace its old head entry
+            self._heads = [h for h in self._heads if h[2] != server]
+            heapq.heapify(self._heads)
+        heapq.heappush(self._heads, head)
 
     def take(self, credit: Credit) -> Any:
-        """The schedule's next key if the credit lets it go now, else None."""
-        if not self._heap:
-            return None
-        _, _, item, nbytes, urgent = self._heap[0]
-        if not credit.allows(nbytes, urgent):
-            return None
-        heapq.heappop(self._heap)
-        return item
+        """The schedule's next key if the credit lets it go now, else None: the first key (priority, then
+        arrival) among the servers whose window is open; the worker's window holds it back if it is full
+        (no later key overtakes it then). A server whose window is full is parked until :meth:`unpark`."""
+        heads = self._heads
+        while heads:
+            server = heads[0][2]
+            queue = self._by_server[server]
+            _, _, item, nbytes, urgent = queue[0]
+            if not credit.server_allows(server):
+                self._parked[server] = heapq.heappop(heads)
+                continue
+            if not credit.allows(nbytes, urgent):
+                return None
+            heapq.heappop(heads)
+            heapq.heappop(queue)
+            self._len -= 1
+            if queue:
+                heapq.heappush(heads, (queue[0][0], queue[0][1], server))
+            else:
+                del self._by_server[server]
+            return item
+        return None
+
+    def unpark(self, server: int) -> None:
+        """``server``'s window may have opened (a push to it was delivered)."""
+        head = self._parked.pop(server, None)
+        if head is not None:
+            heapq.heappush(self._heads, head)
 
 
 class Flow:
@@ -124,8 +201,16 @@ class Flow:
     def __init__(self, policy: SchedulePolicy) -> None:
         self.policy = policy
         self.ready = ReadyQueue()
-        self.credit = Credit(policy.credit_bytes, policy.tail_credit_bytes)
+        self.credit = Credit(policy.credit_bytes, policy.tail_credit_bytes, policy.server_credit_bytes)
         self.keys = 0  # keys taken in and not finished
+
+    def delivered(self, nbytes: int, server: int, urgent: bool) -> None:
+        """A push of ``nbytes`` to ``server`` reached it: its credit comes back."""
+        credit = self.credit
+        credit.delivered(nbytes, server)
+        if urgent:
+            credit.urgent_delivered()
+        self.ready.unpark(server)
 
 
 class Flows:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from imerge_hooks.schedule import Credit, Flows, ReadyQueue, SchedulePolicy, tail_start_group
+from imerge_hooks.config import Config
+from imerge_hooks.schedule import Credit, Flow, Flows, ReadyQueue, SchedulePolicy, tail_start_group, windows
 
 
 def test_credit_counts_bytes_until_delivery():
@@ -118,3 +119,59 @@ def test_a_drained_flow_is_forgotten():
     assert flows.take() == (flow, "k")
     flows.finished(flow)
     assert list(flows) == [] and flows.of(policy) is not flow
+
+
+def test_a_window_per_server_lets_the_next_server_go_first():
+    """A full server's window parks its keys; the most urgent key of another server goes instead, in
+    priority order, and the parked key goes once a push to its server is delivered."""
+    flow = Flow(SchedulePolicy(priority=True, credit_bytes=100, server_credit_bytes=4))
+    q, c = flow.ready, flow.credit
+    for name, prio, server in (("a0", 0, 0), ("a1", 1, 0), ("b2", 2, 1), ("c3", 3, 2), ("b1", 1, 1)):
+        q.add(name, 4, prio, server=server)
+    taken = []
+    while (item := q.take(c)) is not None:
+        taken.append(item)
+        c.started(4, {"a": 0, "b": 1, "c": 2}[item[0]])
+    assert taken == ["a0", "b1", "c3"]  # one key per server, each server's first; a1 and b2 wait
+    assert len(q) == 2
+    flow.delivered(4, 1, urgent=False)
+    assert q.take(c) == "b2"  # server 1's window opened; server 0's is still full
+    c.started(4, 1)
+    assert q.take(c) is None
+    flow.delivered(4, 0, urgent=False)
+    assert q.take(c) == "a1"
+    c.started(4, 0)
+    assert not q and c.in_flight == 3 * 4 and c.to_server == {0: 4, 1: 4, 2: 4}
+
+
+def test_the_workers_window_still_holds_every_server():
+    c = Credit(credit_bytes=8, server_credit_bytes=4)
+    q = ReadyQueue()
+    for name, server in (("x", 0), ("y", 1), ("z", 2)):
+        q.add(name, 4, 0, server=server)
+    assert q.take(c) == "x"
+    c.started(4, 0)
+    assert q.take(c) == "y"
+    c.started(4, 1)
+    assert q.take(c) is None  # 8 bytes in flight: the worker's window is full, whichever server
+    c.delivered(4, 1)
+    assert q.take(c) == "z"
+
+
+def test_a_later_key_of_higher_priority_becomes_its_servers_first():
+    c = Credit(None, server_credit_bytes=4)
+    q = ReadyQueue()
+    q.add("back", 4, 5, server=0)
+    q.add("other", 4, 3, server=1)
+    q.add("front", 4, 1, server=0)  # arrives later, goes first
+    assert [q.take(c), q.take(c)] == ["front", "other"]
+
+
+def test_windows_are_sized_to_the_servers():
+    assert windows(8 << 20, 4 << 20, 1) == (8 << 20, None)  # one server: the worker's window alone
+    assert windows(8 << 20, 4 << 20, 8) == (32 << 20, 4 << 20)  # one partition to each of 8 servers
+    assert windows(64 << 20, 1 << 20, 4) == (64 << 20, 1 << 20)  # a larger window stays
+    cfg = Config(schedule="priority", partition_bytes=1 << 20, credit_bytes=2 << 20)
+    policy = SchedulePolicy.from_config(cfg, servers=4)
+    assert (policy.credit_bytes, policy.server_credit_bytes) == (4 << 20, 1 << 20)
+    assert SchedulePolicy.from_config(Config(schedule="wfbp"), servers=4).server_credit_bytes is None

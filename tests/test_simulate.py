@@ -185,8 +185,26 @@ def test_stagger_and_credit():
     for r in range(2):
         pushes = sorted(res.events("push", f"worker {r}"), key=lambda e: e.start)
         assert pushes[0].name.endswith(f"to server {r}")  # worker r starts at server r % S
-        # credit of one partition: a worker's pushes never overlap in time
-        assert all(a.end <= b.start + 1e-12 for a, b in zip(pushes, pushes[1:]))
+        # a window of one partition per server (schedule.windows): a worker's pushes to one server never
+        # overlap in time, and with S = 2 at most two of its pushes are in flight at once
+        for s in range(2):
+            mine = [e for e in pushes if e.name.endswith(f"to server {s}")]
+            assert all(a.end <= b.start + 1e-12 for a, b in zip(mine, mine[1:]))
+        assert any(a.end > b.start + 1e-12 for a, b in zip(pushes, pushes[1:]))  # both servers at once
+        assert all(a.end <= c.start + 1e-12 for a, c in zip(pushes, pushes[2:]))
+
+
+def test_priority_feeds_every_server():
+    """Priority (no stagger) with one window per worker had every worker push the same few keys to the
+    same servers while the others idled; a window per server lets every server work at once."""
+    layers = [LayerSpec(f"l{i}", [4 * MiB], 1e-3, 1e-3) for i in range(4)]
+    model = ModelSpec(layers, batch_size=8)
+    cluster = ClusterSpec(4, 4, B, 1e-4)
+    res = simulate(model, cluster, "priority", partition_bytes=MiB, credit_bytes=2 * MiB)
+    pushes = [e for e in res.timeline if e.kind == "push" and e.track.startswith("server")]
+    at_once = max(len({e.track for e in pushes if e.start <= t < e.end}) for t in (p.start for p in pushes))
+    assert at_once == 4
+    assert res.iteration_s <= simulate(model, cluster, "wfbp").iteration_s
 
 
 def test_time_scale_and_a_model_without_parameters():

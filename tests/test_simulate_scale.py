@@ -38,12 +38,32 @@ def test_fold_without_stagger_is_exact(schedule, workers, servers):
     assert folded.iteration_s == pytest.approx(full.iteration_s, rel=1e-9)
 
 
-def test_fold_with_stagger_is_an_upper_bound():
-    cluster = ClusterSpec(workers=32, servers=32, bandwidth_Bps=1.25e8, startup_s=1e-4)
-    folded = simulate(model(), cluster, "imerge", timeline=False, plan_search=False)
+@pytest.mark.parametrize("workers,servers", [(64, 8), (48, 12), (32, 16)])
+def test_fold_with_stagger_is_exact_where_the_simulated_workers_cover_the_servers(workers, servers):
+    """With stagger worker j + ak starts where j does when k is a multiple of S: the fold keeps every
+    server and gives the times of simulating all W."""
+    cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e8, startup_s=1e-4)
+    folded = simulate(model(), cluster, "imerge", timeline=False, plan_search=False, stagger=True)
+    assert fold_factor(cluster, stagger=True) == folded.fold > 1 and (workers // folded.fold) % servers == 0
+    assert folded.server_orbits is None
     full = simulate(model(), cluster, "imerge", timeline=False, plan_search=False, fold_workers=False,
-                    groups=folded.groups, stagger=folded.plan.stagger)
-    assert folded.iteration_s >= full.iteration_s * (1 - 1e-9)
+                    groups=folded.groups, stagger=True)
+    assert folded.iteration_s == pytest.approx(full.iteration_s, rel=1e-9)
+
+
+def test_fold_over_servers_is_flagged_close_and_not_searched_on():
+    """S = W leaves no such fold: servers s, s + k, ... are folded too (approximate, flagged), within 2% of
+    simulating every worker where the layout repeats over the servers, and the plan search then keeps
+    stagger and partition as configured."""
+    cluster = ClusterSpec(workers=64, servers=64, bandwidth_Bps=1.25e8, startup_s=1e-4)
+    even = ModelSpec(layers=[LayerSpec(f"l{i}", [64 << 20], 0.002, 0.004) for i in range(3)], batch_size=8)
+    folded = simulate(even, cluster, "imerge", timeline=False, plan_search=False, stagger=True, partition_bytes=1 << 20)
+    assert folded.fold == 4 and folded.server_orbits == 16
+    full = simulate(even, cluster, "imerge", timeline=False, plan_search=False, fold_workers=False,
+                    groups=folded.groups, stagger=True, partition_bytes=1 << 20)
+    assert folded.iteration_s == pytest.approx(full.iteration_s, rel=0.02)  # every group: one key per server
+    searched = simulate(model(), cluster, "imerge", timeline=False)
+    assert searched.plan.stagger is None and searched.plan.partition_bytes is None
 
 
 def reference_place(load, link, nxt, server_hosts, pushers, nbytes):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from .. import handoff, session, streams
-from ..schedule import tail_group
+from ..schedule import tail_group, windows
 from .background import BackgroundSearch
 from .cache import load_plan, plan_fit, plan_key, plan_path, store_plan
 from .choice import choose_plan
@@ -87,8 +87,14 @@ class Replanner:
         self.plan = result
         groups = [[self.order[j] for j in group] for group in result.groups]
         engine.set_layout(groups, partition_bytes=result.partition_bytes, tail_group=tail)
+        changes: dict[str, object] = {}
         if result.stagger is not None:  # the search chose it (plan.search.searched_plan)
-            engine.set_policy(stagger=result.stagger)
+            changes["stagger"] = result.stagger
+        if engine.cfg.traits.partition:  # the windows follow the plan's partition size (schedule.windows)
+            changes["credit_bytes"], changes["server_credit_bytes"] = windows(
+                engine.cfg.credit_bytes, result.partition_bytes or engine.cfg.partition_bytes, topo.num_servers)
+        if changes:
+            engine.set_policy(**changes)
         if engine.cfg.plan_log and topo.worker_rank == 0:
             print(self.describe(self.order), flush=True)
         log.info("IMerge: %s plan with %d groups installed as plan epoch %d%s", self.method, len(groups),

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..layout import key_owner
 from ..plan.search import SearchBudgetSpent
-from ..schedule import Credit, ReadyQueue, key_slots
+from ..schedule import Flow, SchedulePolicy, key_slots
 from .results import Event
 from .specs import _EPS_T
 
@@ -61,8 +61,7 @@ class _Msg:
 @dataclass(slots=True)
 class _Worker:
     ptr: int = 0
-    ready: ReadyQueue = field(default_factory=ReadyQueue)
-    credit: Credit = field(default_factory=lambda: Credit(None))
+    flow: Flow = field(default_factory=lambda: Flow(SchedulePolicy()))  # its ready keys and credit
     missing: set = field(default_factory=set)  # groups the current gate still waits for
     key_meta: dict = field(default_factory=dict)  # owned key -> (priority, urgent) until its host's sum is ready
     wait_start: float = 0.0
@@ -320,11 +319,16 @@ class _Sim:
                  share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
                  tail_credit: int | None = None, worker_message: float = 0.0, hosts: Sequence[int] | None = None,
                  aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9,
-                 fold: int = 1) -> None:
-        self.W, self.S, self.B, self.startup = workers, servers, float(bandwidth), float(startup)
-        # Folding (fold_factor): each push and result stands for this many at its server (link and work).
-        self.fold = float(fold)
-        self.host = list(hosts) if hosts is not None else list(range(workers + servers))
+                 fold: int = 1, server_orbits: int | None = None, server_credit: int | None = None) -> None:
+        # Folding (run.fold_layout): W here are the simulated workers, each standing for ``fold``; with
+        # ``server_orbits``, the servers are folded too: key k's server is key_server[k] % server_orbits
+        # (its orbit), the push order still follows key_server (the real servers) and ``servers`` (S).
+        orbits = servers if server_orbits is None else int(server_orbits)
+        self.W, self.S, self.B, self.startup = workers, orbits, float(bandwidth), float(startup)
+        self.real_S = servers
+        # Each push and result stands for this many at its (simulated) server: on its link and its work.
+        self.fold = float(fold) * orbits / servers
+        self.host = list(hosts) if hosts is not None else list(range(workers + orbits))
         self.H = max(self.host) + 1
         self.local_B, self.reduce_rate = float(local_bandwidth), float(reduce_rate)
         # Host aggregation: each worker's host mates, and who pushes each key for its host.
@@ -333,7 +337,7 @@ class _Sim:
         self.host_workers = [sorted([r] + mates) for r, mates in enumerate(self.mates)]  # owner() looks up keys
         self.got: dict[tuple[int, int], int] = {}  # (owner, key) -> its host's gradients in so far
         self.forwarding: dict[tuple[int, int], int] = {}  # (owner, key) -> results still to hand its host
-        self.key_pushers: dict[int, list[int]] = {}  # key -> the ranks whose push a server has summed
+        self.key_pushers: dict[int, list[tuple[int, int]]] = {}  # key class -> the (key, rank) pushes summed
         self.worker_message = float(worker_message)
         self.thread_free = [0.0] * workers  # when each worker's comm thread is next free (worker_message > 0)
         self.fabric = None if fabric is None else float(fabric)
@@ -346,7 +350,8 @@ class _Sim:
         self.layer_tensors = [list(t) for t in layer_tensors]
         self.groups = [list(g) for g in groups]
         self.group_keys = [list(k) for k in group_keys]
-        self.key_bytes, self.key_server = list(key_bytes), list(key_server)
+        self.key_bytes, self.slot_server = list(key_bytes), list(key_server)
+        self.key_server = [s % orbits for s in key_server]
         self.key_group = [0] * len(key_bytes)
         for g, keys in enumerate(self.group_keys):
             for k in keys:
@@ -379,7 +384,8 @@ class _Sim:
         ops += [(_GATE, 0, iterations), (_MARK, 0, iterations)]
         self.ops = ops
         W = workers
-        self.workers = [_Worker(credit=Credit(credit, tail_credit)) for _ in range(W)]
+        policy = SchedulePolicy(priority, stagger, credit, tail_credit, server_credit)
+        self.workers = [_Worker(flow=Flow(policy)) for _ in range(W)]
         # Tail credit (schedule): submitting tail_group starts the tail, the last group is urgent.
         self.tail_group = tail_group if tail_credit is not None else None
         self.urgent_group = G - 1 if self.tail_group is not None else -1
@@ -387,9 +393,22 @@ class _Sim:
         self.pending = [[0] * G for _ in range(W)]
         self.done_round = [[0] * G for _ in range(W)]
         self.starts = [[math.nan] * (iterations + 1) for _ in range(W)]
-        self.cpu_free = [0.0] * servers
-        self.key_count = [0] * len(key_bytes)
-        self.key_expected = [len({self.owner(k, r) for r in range(workers)}) for k in range(len(key_bytes))]
+        self.cpu_free = [0.0] * orbits
+        # A key is summed when every pusher's push is in. With the servers folded, the like keys of a group on
+        # one orbit (the i-th of the group on each of its real servers) are a class: by the symmetry the fold
+        # rests on, those keys are summed when the simulated workers pushed all of them.
+        classes: dict[tuple[int, ...], int] = {}
+        nth: dict[tuple[int, int], int] = {}  # (group, real server) -> its keys so far
+        self.key_class = []
+        for k in range(len(key_bytes)):
+            g, real = self.key_group[k], self.slot_server[k]
+            i = nth[(g, real)] = nth.get((g, real), -1) + 1
+            self.key_class.append(classes.setdefault((g, real % orbits, i) if orbits < servers else (k,),
+                                                     len(classes)))
+        self.class_count = [0] * len(classes)
+        self.class_expected = [0] * len(classes)
+        for k in range(len(key_bytes)):
+            self.class_expected[self.key_class[k]] += len({self.owner(k, r) for r in range(workers)})
         self.channels: dict[tuple[int, int], deque[_Msg]] = {}
         # Active flows; link capacities by id: egress, ingress, local links, then the fabric.
         capacity = np.array([self.B] * (2 * self.H) + [self.local_B] * self.H
@@ -411,7 +430,7 @@ class _Sim:
         self.gave_up = False
         self.cpu_deadline: float | None = None  # this thread's CPU time (time.thread_time) to stop at
         self.wtrack = [f"worker {r}" for r in range(W)]
-        self.strack = [f"server {s}" for s in range(servers)]
+        self.strack = [f"server {s}" if orbits == servers else f"servers {s} mod {orbits}" for s in range(orbits)]
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -544,11 +563,11 @@ class _Sim:
             self._group_done(r, g)
             return
         self.pending[r][g] = len(keys)
-        slots = key_slots([self.key_server[k] for k in keys], r, self.S, self.stagger)
+        slots = key_slots([self.slot_server[k] for k in keys], r, self.real_S, self.stagger)
         prio = self.group_prio[g] if self.priority else 0
         w = self.workers[r]
         if g == self.tail_group:
-            w.credit.begin_tail(len(self.group_keys[self.urgent_group]))
+            w.flow.credit.begin_tail(len(self.group_keys[self.urgent_group]))
         urgent = g == self.urgent_group
         for slot in slots:
             k = keys[slot]
@@ -559,7 +578,7 @@ class _Sim:
                 w.key_meta[k] = (prio, urgent)
                 self._contribution(r, k)
             else:
-                w.ready.add(k, self.key_bytes[k], prio, urgent)
+                w.flow.ready.add(k, self.key_bytes[k], prio, urgent, self.slot_server[k])
         self._pump(r)
 
     def _contribution(self, owner: int, k: int) -> None:
@@ -576,17 +595,17 @@ class _Sim:
     def _reduced(self, owner: int, k: int) -> None:
         w = self.workers[owner]
         prio, urgent = w.key_meta.pop(k)
-        w.ready.add(k, self.key_bytes[k], prio, urgent)
+        w.flow.ready.add(k, self.key_bytes[k], prio, urgent, self.slot_server[k])
         self._pump(owner)
 
     def _pump(self, r: int) -> None:
         w = self.workers[r]
-        ready, credit = w.ready, w.credit
+        ready, credit = w.flow.ready, w.flow.credit
         while ready and (k := ready.take(credit)) is not None:
             nbytes = self.key_bytes[k]
-            credit.started(nbytes)
+            credit.started(nbytes, self.slot_server[k])
             s = self.key_server[k]
-            m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + s),
+            m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + self.slot_server[k]),
                      coefs=(1.0, self.fold))
             if self.worker_message > 0.0:
                 self._push_event(self._thread_slot(r), _EV_POSTED, m)
@@ -601,15 +620,15 @@ class _Sim:
 
     # ------------------------------------------------------------------ servers
     def _cpu_done(self, s: int, k: int, r: int) -> None:
-        self.key_count[k] += 1
-        self.key_pushers.setdefault(k, []).append(r)
-        if self.key_count[k] < self.key_expected[k]:
+        c = self.key_class[k]
+        self.class_count[c] += 1
+        self.key_pushers.setdefault(c, []).append((k, r))
+        if self.class_count[c] < self.class_expected[c]:
             return
-        self.key_count[k] = 0
-        nbytes = self.key_bytes[k]
-        for worker in self.key_pushers.pop(k):
-            self._send(_Msg(False, worker, s, k, nbytes, self.links(self.W + s, worker), "", (self.W + s, worker),
-                            coefs=(self.fold, 1.0)))
+        self.class_count[c] = 0
+        for key, worker in self.key_pushers.pop(c):
+            self._send(_Msg(False, worker, s, key, self.key_bytes[key], self.links(self.W + s, worker), "",
+                            (self.W + self.slot_server[key], worker), coefs=(self.fold, 1.0)))
 
     def _delivered(self, m: _Msg) -> None:
         if m.kind:
@@ -628,10 +647,8 @@ class _Sim:
                 self.timeline.append(Event(self.wtrack[m.worker], f"result {who} from server {m.server}",
                                            m.start, self.now, "pull", m.nbytes))
         if m.push:
-            credit = self.workers[m.worker].credit
-            credit.delivered(m.nbytes)
-            if self.key_group[m.key] == self.urgent_group:
-                credit.urgent_delivered()
+            self.workers[m.worker].flow.delivered(m.nbytes, self.slot_server[m.key],
+                                                  self.key_group[m.key] == self.urgent_group)
             self._pump(m.worker)
             s = m.server
             start = max(self.now, self.cpu_free[s])

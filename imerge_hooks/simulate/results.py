@@ -53,6 +53,7 @@ class SimResult:
     plan: Plan | None = None  # the planner's output (ready-order indices), planned schedules only
     cost_model: Any = None  # the model the plan was made with
     fold: int = 1  # each simulated worker stood for this many (``fold_factor``)
+    server_orbits: int | None = None  # servers folded into this many (``server_orbits``: approximate); None: all
 
     @property
     def server_push_bytes(self) -> list[int]:

@@ -24,10 +24,10 @@ from ..layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
 from ..plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from ..plan.planner import Plan, plan
 from ..plan.search import SearchBudgetSpent, candidate_plans, searched_plan
-from ..schedule import tail_group
+from ..schedule import SchedulePolicy, tail_group, windows
 from .loop import _Sim
 from .results import KeyInfo, SimResult
-from .specs import FOLD_ABOVE, FOLD_WORKERS, ClusterSpec, ModelSpec
+from .specs import FOLD_ABOVE, FOLD_ORBIT_WORKERS, FOLD_WORKERS, ClusterSpec, ModelSpec
 
 
 def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int]:
@@ -63,35 +63,54 @@ def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_byt
     return group_keys, keys
 
 
-def fold_factor(cluster: ClusterSpec) -> int:
-    """How many workers one simulated worker stands for: 1 up to ``FOLD_ABOVE`` workers, else the
-    largest ``m`` dividing W that leaves at least ``FOLD_WORKERS`` workers, where every rank has a
-    host of its own (hosts=None).
+def fold_factor(cluster: ClusterSpec, stagger: bool = False) -> int:
+    """How many workers one simulated worker stands for, where every rank has a host of its own
+    (hosts=None): 1 up to ``FOLD_ABOVE`` workers, else the largest ``m`` dividing W that leaves
+    k = W/m >= ``FOLD_WORKERS`` workers; with ``stagger``, the largest that leaves a multiple of S
+    (exact, below), else the largest that leaves at least ``FOLD_ORBIT_WORKERS``.
 
-    Workers are alike (one model, one plan, one key layout), so W/m simulated workers can stand for
-    W: each simulated push is ``m`` pushes at its server (its bytes weigh ``m``-fold on the server's
-    link, and the server works ``m`` startups for it), each result ``m`` results. Servers are all
-    simulated. Exact where every worker pushes the same key at the same point (no stagger, or a
-    model whose timing stagger does not change); with stagger the ``m`` workers a simulated one stands
-    for would start their groups at ``m`` different servers, and the fold has them all push where it
-    pushes: no stagger benefit, an upper bound. ``benchmarks/results/RESULTS.md`` ("Simulating
-    hundreds of workers") measures the difference against simulating every worker. The cost of an
-    iteration then grows with W/m and S, not W x S.
+    Workers are alike (one model, one plan, one key layout), so k simulated workers can stand for W:
+    simulated worker j stands for workers j, j + k, j + 2k, ... Without stagger they all push the same
+    key at the same point, so each simulated push is ``m`` pushes at its server (its bytes weigh
+    ``m``-fold on the server's link, and the server works ``m`` startups for it), each result ``m``
+    results; servers are all simulated. With stagger worker j + ak starts its groups at server
+    (j + ak) mod S, the same as j's where k is a multiple of S: exact again. Otherwise shifting workers
+    by k and servers by k maps the cluster onto itself only where the key layout repeats with that
+    shift, and :func:`server_orbits` folds servers s, s + k, ... (mod S) into one simulated server;
+    the layout only roughly repeats (a server with one key more than its orbit's others is averaged
+    with them), so that fold is approximate: ``SimResult.server_orbits`` says so, the plan search does
+    not choose stagger or partition size on it, and ``benchmarks/fold_check.py`` measures it against
+    simulating every worker. The cost of an iteration then grows with k, not W x S.
     """
-    if cluster.hosts is not None or cluster.workers <= FOLD_ABOVE:
+    W, S = cluster.workers, cluster.servers
+    if cluster.hosts is not None or W <= FOLD_ABOVE:
         return 1
-    for m in range(cluster.workers // FOLD_WORKERS, 1, -1):
-        if cluster.workers % m == 0:
-            return m
-    return 1
+    folds = [m for m in range(W // FOLD_WORKERS, 1, -1) if W % m == 0]
+    if not stagger or S <= 1:
+        return folds[0] if folds else 1
+    exact = [m for m in folds if (W // m) % S == 0]
+    if exact:
+        return exact[0]
+    return next((m for m in folds if W // m >= FOLD_ORBIT_WORKERS), 1)
+
+
+def server_orbits(cluster: ClusterSpec, fold: int, stagger: bool) -> int | None:
+    """How many simulated servers stand for the cluster's S under ``fold`` (``fold_factor``): None (all
+    simulated) without stagger or where the simulated workers' start servers cover every server alike
+    (W/fold a multiple of S), else ``gcd(W/fold, S)`` (approximate, see ``fold_factor``)."""
+    if fold <= 1 or not stagger or cluster.servers <= 1:
+        return None
+    orbits = math.gcd(cluster.workers // fold, cluster.servers)
+    return None if orbits == cluster.servers else orbits
 
 
 def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInfo], group_keys, cluster: ClusterSpec,
               priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
+              server_credit: int | None = None,
               tail_group: int | None = None, tail_credit: int | None = None,
               iterations: int, record: bool, fold: int = 1) -> _Sim:
     """The event loop for ``cluster``, its workers folded by ``fold`` (``fold_factor``): W/fold workers,
-    every push and result standing for ``fold`` at its server, the fabric carrying 1/fold of the traffic."""
+    with stagger the servers too (``server_orbits``), the fabric carrying 1/fold of the traffic."""
     fabric = None if cluster.fabric_Bps is None else cluster.fabric_Bps / fold
     return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
                 group_keys=group_keys, key_bytes=[k.nbytes for k in keys],
@@ -103,7 +122,7 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
                 worker_message=cluster.worker_message_s, hosts=None if fold > 1 else cluster.rank_hosts,
                 aggregate=cluster.aggregates, local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps,
-                fold=fold)
+                fold=fold, server_orbits=server_orbits(cluster, fold, stagger), server_credit=server_credit)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -161,8 +180,11 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
         return seconds
 
     traits = SCHEDULE_TRAITS[schedule]
+    # On an approximate fold (server_orbits) stagger and partition size are not chosen: kept as configured.
+    exact = not traits.stagger or server_orbits(cluster, fold_factor(cluster, True), True) is None
     return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
-                         partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1)
+                         partition_bytes, traits.partition and exact,
+                         staggered=traits.stagger and cluster.servers > 1 and exact)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -269,17 +291,22 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         if stagger is None and plan_result.stagger is not None:
             stagger = plan_result.stagger
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster, cpu_deadline)
-    fold = fold_factor(cluster) if fold_workers else 1
+    staggered = traits.stagger if stagger is None else bool(stagger)
+    fold = fold_factor(cluster, staggered) if fold_workers else 1
+    orbits = server_orbits(cluster, fold, staggered)
     tail = None
     if tail_credit_bytes is not None and traits.tail_credit:
         tail_model = cost_model if cost_model is not None else used_model
         if tail_model is None:
             tail_model = calibrate_model(cluster)
         tail = tail_group(groups, ready_at, tail_model, credit_bytes)
+    policy = SchedulePolicy(priority=traits.priority)
+    if traits.partition:
+        policy.credit_bytes, policy.server_credit_bytes = windows(credit_bytes, partition_bytes, cluster.servers)
     sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
-                    priority=traits.priority, stagger=traits.stagger if stagger is None else bool(stagger),
-                    credit=credit_bytes if traits.partition else None,
+                    priority=traits.priority, stagger=staggered,
+                    credit=policy.credit_bytes, server_credit=policy.server_credit_bytes,
                     tail_group=tail, tail_credit=tail_credit_bytes,
                     push_after_backward=traits.push_after_backward,
                     overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
@@ -293,7 +320,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     if sim.gave_up:
         return SimResult(schedule=schedule, iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[],
                          groups=groups, keys=keys, workers=cluster.workers, servers=cluster.servers, plan=plan_result,
-                         cost_model=used_model, fold=fold)
+                         cost_model=used_model, fold=fold, server_orbits=orbits)
     starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
     per_iteration = [b - a for a, b in zip(starts, starts[1:])]
     steady = per_iteration[1:] if len(per_iteration) > 1 else per_iteration
@@ -303,4 +330,4 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     return SimResult(schedule=schedule, iteration_s=iteration_s, throughput=throughput,
                      iteration_times=per_iteration, timeline=events, groups=groups, keys=keys,
                      workers=cluster.workers, servers=cluster.servers, plan=plan_result, cost_model=used_model,
-                     fold=fold)
+                     fold=fold, server_orbits=orbits)

@@ -24,6 +24,9 @@ _EPS_T = 1e-12
 # for all (fold_factor).
 FOLD_WORKERS = 4
 FOLD_ABOVE = 16
+# With stagger, where no fold leaves a multiple of S workers, the approximate fold over servers too
+# (run.server_orbits) keeps at least this many workers (the finer its orbits, the closer it comes).
+FOLD_ORBIT_WORKERS = 16
 
 
 # ---------------------------------------------------------------------------------- specs
