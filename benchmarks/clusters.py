@@ -7,7 +7,8 @@ on hosts of their own; side by side with DDP (gloo) and the ``mpi-allreduce`` pe
 
 Cells (``CELLS``): (a) 2 hosts x 2 workers + 2 server hosts; (b) 4 hosts, each with one worker and
 one server; (c) 2 hosts x 2 workers with one server on each; (d) 4 hosts x 2 workers + 4 server
-hosts (12 ranks: only when asked for); (e) one worker per host and a server host per worker, S = W.
+hosts (12 ranks: only when asked for); (e) one worker per host and a server host per worker, S = W;
+(f) one worker per host and a server host per two workers, S = W/2.
 Every host is a network namespace of ``benchmarks/netlab`` with one shaped link each way; the ranks
 of a host share it, and their traffic to each other stays inside the host. Ranks are ordered with
 each host's workers together, so DDP's ring crosses every host link once each way (its best case).
@@ -79,6 +80,7 @@ CELLS = {
     "c": Cell("2 hosts x 2 workers, a server on each", (0, 0, 1, 1), (0, 1)),
     "d": Cell("4 hosts x 2 workers + 4 server hosts", (0, 0, 1, 1, 2, 2, 3, 3), (4, 5, 6, 7)),
     "e": Cell("4 worker hosts + 4 server hosts (S = W)", (0, 1, 2, 3), (4, 5, 6, 7)),
+    "f": Cell("4 worker hosts + 2 server hosts (S = W/2)", (0, 1, 2, 3), (4, 5)),
 }
 
 
@@ -177,7 +179,7 @@ def launch(cell_id: str, model: str, args, aggregate: bool, timeline: str | None
         start, end = r["timed_monotonic_s"]
         per_host = window_bytes(monitor.samples, start, end)
         ranks_cpu = window_cpu(cpu, start, end)
-        peer = r["schedule"] != "imerge"
+        peer = r["schedule"] in ("ddp", "mpi-allreduce")  # the rest are PS schedules
         workers_cpu = r["worker_cpu_s_per_iter"] * len(cell.workers)
         bound = b["ring_s"] if peer else b["ps_s"]
         rows.append({
@@ -200,7 +202,7 @@ def simulate_row(row: dict) -> float:
     """Seconds per iteration that the simulator predicts for one measured row."""
     from benchmarks.allreduce_model import simulate_allreduce
     from benchmarks.runner.grid import PROFILES
-    from imerge_hooks.simulate import ClusterSpec, ModelSpec, simulate
+    from imerge_hooks.simulate import ALLREDUCE_SCHEDULES, ClusterSpec, ModelSpec, simulate
 
     cell = CELLS[row["cell"]]
     spec = ModelSpec.from_profile_json(PROFILES / f"{row['model']}-cpu.json")
@@ -208,9 +210,9 @@ def simulate_row(row: dict) -> float:
     cluster = ClusterSpec(workers=len(cell.workers), servers=len(cell.servers), bandwidth_Bps=rate,
                           startup_s=SIM_STARTUP_S, time_scale=row["time_scale"], hosts=tuple(cell.host_of),
                           host_aggregation=bool(row["host_aggregation"]))
-    if row["schedule"] != "imerge":
+    if row["schedule"] in ALLREDUCE_SCHEDULES:
         return simulate_allreduce(spec, cluster, row["schedule"]).iteration_s
-    return simulate(spec, cluster, "imerge", timeline=False).iteration_s
+    return simulate(spec, cluster, row["schedule"], timeline=False).iteration_s
 
 
 def table(rows: list[dict]) -> str:

@@ -63,9 +63,10 @@ class SchedulePolicy:
                    server_credit_bytes=per_server)
 
 
-def windows(credit_bytes: int, partition_bytes: int, servers: int) -> tuple[int, int | None]:
+def windows(credit_bytes: int, partition_bytes: int, servers: int,
+            server_credit_bytes: int | None = None) -> tuple[int, int | None]:
     """The credit windows of a partitioned schedule on ``servers`` servers: (a worker's window, its window
-    per server).
+    per server). ``server_credit_bytes``: the window per server a plan chose (None: one partition).
 
     One window per worker lets every worker push the same few keys when they push in the same order
     (priority: the front layers first), so those keys' servers take all the traffic while the others idle;
@@ -74,7 +75,8 @@ def windows(credit_bytes: int, partition_bytes: int, servers: int) -> tuple[int,
     With one server the worker's window alone decides."""
     if servers <= 1:
         return credit_bytes, None
-    return max(credit_bytes, servers * partition_bytes), partition_bytes
+    per_server = partition_bytes if server_credit_bytes is None else server_credit_bytes
+    return max(credit_bytes, servers * per_server), per_server
 
 
 class Credit:

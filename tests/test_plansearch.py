@@ -10,7 +10,14 @@ from imerge_hooks.config import Config
 from imerge_hooks.plan.choice import choose_plan, cluster_for, model_spec_from_profile, search_plan
 from imerge_hooks.plan.costmodel import LinearModel, PSModel
 from imerge_hooks.plan.planner import plan
-from imerge_hooks.plan.search import MIN_PARTITION_BYTES, PARTITION_TOLERANCE, StartupScaled, partition_sizes, search
+from imerge_hooks.plan.search import (
+    MIN_PARTITION_BYTES,
+    PARTITION_TOLERANCE,
+    StartupScaled,
+    partition_sizes,
+    search,
+    searched_plan,
+)
 from imerge_hooks.simulate import simulate
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -187,3 +194,20 @@ def test_search_plan_reports_the_partition_it_chose():
     limit = result.plan.partition_bytes
     assert limit == chosen.partition_bytes
     assert all(k.nbytes <= limit for k in result.keys)
+
+
+def test_the_search_chooses_the_window_per_server():
+    """A wider window per server (schedule.windows) is kept where it wins by PARTITION_TOLERANCE."""
+    cands = [("fused", [[0, 1, 2]])]
+    for times, want in (({None: 1.0, 2 * MiB: 0.9, 4 * MiB: 0.95}, 2 * MiB),  # two partitions win
+                        ({None: 1.0, 2 * MiB: 1.0 - PARTITION_TOLERANCE / 2, 4 * MiB: 1.0}, None)):  # a tie: one
+        seen = []
+
+        def score(groups, partition, bound=None, server_credit=None, times=times, seen=seen):
+            seen.append(server_credit)
+            return times[server_credit]
+
+        chosen, _ = searched_plan(cands, score, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB,
+                                  partitioned=False, windowed=True)
+        assert chosen.server_credit_bytes == want and seen == [None, 2 * MiB, 4 * MiB]
+        assert "window per server: 1 partition" in chosen.note

@@ -24,7 +24,7 @@ from typing import Any
 from ..config import Config
 from .cache_files import integer, is_int, is_number, number, read_checked, record, require
 from .planner import METHODS, Plan
-from .search import MIN_PARTITION_BYTES, PARTITION_FACTORS, SEARCH_ROUNDS
+from .search import MIN_PARTITION_BYTES, PARTITION_FACTORS, SEARCH_ROUNDS, SERVER_WINDOWS
 
 log = logging.getLogger("imerge")
 
@@ -116,6 +116,10 @@ def check_plan_file(saved: Any, key: str, fit: PlanFit | None = None) -> tuple[l
     stagger = fields["stagger"]
     require(stagger is None or isinstance(stagger, bool), f"plan.stagger is {stagger!r}, not true, false or null")
     require(stagger is None or fit is None or fit.staggered, "plan.stagger is set but the schedule does not stagger")
+    window = fields["server_credit_bytes"]
+    if window is not None:
+        require(partition is not None, "plan.server_credit_bytes is set without plan.partition_bytes")
+        integer(window, "plan.server_credit_bytes", partition, partition * max(SERVER_WINDOWS))
     tail = saved["tail"]
     if fit is not None and not (fit.tail and groups):
         require(tail is None, f"tail is {tail!r} but this schedule's plans have no tail group")

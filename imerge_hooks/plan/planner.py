@@ -38,6 +38,7 @@ class Plan:
     note: str = ""  # how the plan was chosen, when more than one method was tried
     partition_bytes: int | None = None  # key size limit the plan was chosen for (None: the configured one)
     stagger: bool | None = None  # whether workers stagger their first server (None: as the schedule says)
+    server_credit_bytes: int | None = None  # a worker's window per server (None: one partition, schedule.windows)
 
     def describe(self, sizes: Sequence[float]) -> str:
         """Human-readable table: group, tensors, bytes, start, end (ms)."""

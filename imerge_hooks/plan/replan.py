@@ -92,7 +92,8 @@ class Replanner:
             changes["stagger"] = result.stagger
         if engine.cfg.traits.partition:  # the windows follow the plan's partition size (schedule.windows)
             changes["credit_bytes"], changes["server_credit_bytes"] = windows(
-                engine.cfg.credit_bytes, result.partition_bytes or engine.cfg.partition_bytes, topo.num_servers)
+                engine.cfg.credit_bytes, result.partition_bytes or engine.cfg.partition_bytes, topo.num_servers,
+                result.server_credit_bytes)
         if changes:
             engine.set_policy(**changes)
         if engine.cfg.plan_log and topo.worker_rank == 0:

@@ -43,6 +43,8 @@ TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by
 # IMERGE_PLAN_SEARCH=0 --rank-env IMERGE_PARTITION_BYTES=...`` measures one size; its JSON has each
 # run's ``worker_cpu_s_per_iter``).
 PARTITION_TOLERANCE = 0.02
+# Windows per server tried for the winning plan, in partitions (schedule.windows); the first is the rule's.
+SERVER_WINDOWS = (1, 2, 4)
 
 
 class SearchBudgetSpent(Exception):
@@ -179,7 +181,7 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
 def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                   score: Callable[..., float], sizes: Sequence[float],
                   ready: Sequence[float], cost_model: CostModel, partition_bytes: int,
-                  partitioned: bool, staggered: bool = False) -> tuple[Plan, list[Candidate]]:
+                  partitioned: bool, staggered: bool = False, windowed: bool = False) -> tuple[Plan, list[Candidate]]:
     """:func:`search`, as a Plan: the winner's groups with their FIFO-model start/end times,
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and the
     explanation as ``note``; plus every candidate's score.
@@ -192,7 +194,12 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     of its sequence, and a key completes only with its last push), so the results of a
     comm-bound backward can stay on the servers until its end (``docs/architecture.md``,
     "Stagger"). Without stagger must win by ``PARTITION_TOLERANCE``; the Plan records the choice
-    (``stagger``)."""
+    (``stagger``).
+
+    ``windowed`` (a partitioned schedule on several servers): ``score`` takes ``server_credit``, and the
+    winner is tried with ``SERVER_WINDOWS`` partitions in flight to each server (``schedule.windows``:
+    the worker's window grows with it) besides one; a wider window must win by ``PARTITION_TOLERANCE``
+    (``server_credit_bytes``)."""
     best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
                                            if staggered else score, partition_bytes, partitioned)
     stagger = None
@@ -205,7 +212,22 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
             best, partition = unstaggered, unstaggered_partition
         note += (f"; {'with' if stagger else 'without'} stagger (without: {unstaggered.iteration_s * 1e3:.2f} ms at "
                  f"{unstaggered_partition >> 10} KiB)")
+    server_credit = None
+    if windowed:
+        tried = [best.iteration_s]
+        for factor in SERVER_WINDOWS[1:]:
+            bound = min(tried) * (1.0 - PARTITION_TOLERANCE)
+            tried.append(score(best.groups, partition, *(() if stagger is None else (stagger,)), bound=bound,
+                               server_credit=factor * partition))
+        wins = [i for i, t in enumerate(tried) if t < tried[0] * (1.0 - PARTITION_TOLERANCE)]
+        if wins:
+            at = min(wins, key=lambda i: tried[i])
+            server_credit = SERVER_WINDOWS[at] * partition
+            best = Candidate(best.label, best.groups, tried[at])
+        note += "; window per server: " + ", ".join(
+            f"{f} partition{'s' if f > 1 else ''} {t * 1e3:.2f} ms" for f, t in zip(SERVER_WINDOWS, tried))
     starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes], [float(t) for t in ready], cost_model)
     chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
-                  group_end=ends, note=note, partition_bytes=partition if partitioned else None, stagger=stagger)
+                  group_end=ends, note=note, partition_bytes=partition if partitioned else None, stagger=stagger,
+                  server_credit_bytes=server_credit)
     return chosen, scored

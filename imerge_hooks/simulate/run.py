@@ -168,13 +168,14 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
     ``on_scored(seconds, groups, partition, stagger)`` sees every finished simulation.
     """
     def score(cand: list[list[int]], partition: int, stagger: bool | None = None,
-              bound: float | None = None) -> float:
+              bound: float | None = None, server_credit: int | None = None) -> float:
         if cpu_deadline is not None and time.thread_time() > cpu_deadline:
             raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
         seconds = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
                            partition_bytes=partition, credit_bytes=credit_bytes, tail_credit_bytes=tail_credit_bytes,
                            cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
-                           stagger=stagger, give_up_s=bound, cpu_deadline=cpu_deadline).iteration_s
+                           stagger=stagger, give_up_s=bound, cpu_deadline=cpu_deadline,
+                           server_credit_bytes=server_credit).iteration_s
         if on_scored is not None:
             on_scored(seconds, cand, partition, stagger)
         return seconds
@@ -184,7 +185,8 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
     exact = not traits.stagger or server_orbits(cluster, fold_factor(cluster, True), True) is None
     return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
                          partition_bytes, traits.partition and exact,
-                         staggered=traits.stagger and cluster.servers > 1 and exact)
+                         staggered=traits.stagger and cluster.servers > 1 and exact,
+                         windowed=traits.partition and cluster.servers > 1 and exact)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -210,7 +212,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              cost_model: CostModel | None = None, iterations: int = 3, overlap_forward: bool | None = None,
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
              plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True,
-             give_up_s: float | None = None, cpu_deadline: float | None = None) -> SimResult:
+             give_up_s: float | None = None, cpu_deadline: float | None = None,
+             server_credit_bytes: int | None = None) -> SimResult:
     """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
 
     ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
@@ -232,6 +235,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     bound: a candidate that cannot win need not finish); ``iteration_s`` is then ``inf``.
     ``cpu_deadline``: raise :class:`imerge_hooks.plan.search.SearchBudgetSpent` once the calling
     thread's CPU time (``time.thread_time()``) passes this (a plan search's budget).
+    ``server_credit_bytes``: a partitioned schedule's window per server (None: as ``schedule.windows``
+    says, or as the searched plan chose).
     ``fold_workers``: simulate the alike workers of a large cluster through a few that stand for
     them (``fold_factor``; ``SimResult.fold`` says how many each stands for, and the timeline then
     has tracks for those only); False: every worker and server.
@@ -290,6 +295,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
             partition_bytes = plan_result.partition_bytes
         if stagger is None and plan_result.stagger is not None:
             stagger = plan_result.stagger
+        if server_credit_bytes is None:
+            server_credit_bytes = plan_result.server_credit_bytes
     group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster, cpu_deadline)
     staggered = traits.stagger if stagger is None else bool(stagger)
     fold = fold_factor(cluster, staggered) if fold_workers else 1
@@ -302,7 +309,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         tail = tail_group(groups, ready_at, tail_model, credit_bytes)
     policy = SchedulePolicy(priority=traits.priority)
     if traits.partition:
-        policy.credit_bytes, policy.server_credit_bytes = windows(credit_bytes, partition_bytes, cluster.servers)
+        policy.credit_bytes, policy.server_credit_bytes = windows(credit_bytes, partition_bytes, cluster.servers,
+                                                                  server_credit_bytes)
     sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
                     layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
                     priority=traits.priority, stagger=staggered,
