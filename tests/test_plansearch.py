@@ -211,3 +211,11 @@ def test_the_search_chooses_the_window_per_server():
                                   partitioned=False, windowed=True)
         assert chosen.server_credit_bytes == want and seen == [None, 2 * MiB, 4 * MiB]
         assert "window per server: 1 partition" in chosen.note
+
+
+def test_an_approximate_score_wants_a_wider_margin():
+    """With ``tolerance`` (the simulator's approximate fold) another partition size must win by more."""
+    cands = [("fused", [[0, 1, 2]])]
+    times = {MiB: 1.0, MiB // 2: 0.97, MiB // 4: 0.97, 2 * MiB: 1.0}
+    assert search(cands, lambda g, p, bound=None: times.get(p, 1.5), MiB, True)[2] == MiB // 2
+    assert search(cands, lambda g, p, bound=None: times.get(p, 1.5), MiB, True, tolerance=0.05)[2] == MiB

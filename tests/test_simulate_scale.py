@@ -8,7 +8,9 @@ import random
 import pytest
 
 from imerge_hooks.layout import Placement
+from imerge_hooks.plan.search import FOLD_TOLERANCE, PARTITION_TOLERANCE
 from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, fold_factor, simulate
+from imerge_hooks.simulate import run as run
 
 
 def model() -> ModelSpec:
@@ -51,10 +53,10 @@ def test_fold_with_stagger_is_exact_where_the_simulated_workers_cover_the_server
     assert folded.iteration_s == pytest.approx(full.iteration_s, rel=1e-9)
 
 
-def test_fold_over_servers_is_flagged_close_and_not_searched_on():
+def test_fold_over_servers_is_flagged_close_and_searched_on_with_a_margin(monkeypatch):
     """S = W leaves no such fold: servers s, s + k, ... are folded too (approximate, flagged), within 2% of
-    simulating every worker where the layout repeats over the servers, and the plan search then keeps
-    stagger and partition as configured."""
+    simulating every worker where the layout repeats over the servers, and a plan search on it wants a
+    partition size, stagger or window to win by more than that fold's error."""
     cluster = ClusterSpec(workers=64, servers=64, bandwidth_Bps=1.25e8, startup_s=1e-4)
     even = ModelSpec(layers=[LayerSpec(f"l{i}", [64 << 20], 0.002, 0.004) for i in range(3)], batch_size=8)
     folded = simulate(even, cluster, "imerge", timeline=False, plan_search=False, stagger=True, partition_bytes=1 << 20)
@@ -62,8 +64,13 @@ def test_fold_over_servers_is_flagged_close_and_not_searched_on():
     full = simulate(even, cluster, "imerge", timeline=False, plan_search=False, fold_workers=False,
                     groups=folded.groups, stagger=True, partition_bytes=1 << 20)
     assert folded.iteration_s == pytest.approx(full.iteration_s, rel=0.02)  # every group: one key per server
-    searched = simulate(model(), cluster, "imerge", timeline=False)
-    assert searched.plan.stagger is None and searched.plan.partition_bytes is None
+    seen = []
+    real = run.searched_plan
+    monkeypatch.setattr(run, "searched_plan", lambda *a, **kw: seen.append(kw["tolerance"]) or real(*a, **kw))
+    simulate(model(), cluster, "imerge", timeline=False)
+    simulate(model(), ClusterSpec(workers=64, servers=8, bandwidth_Bps=1.25e8, startup_s=1e-4), "imerge",
+             timeline=False)
+    assert seen == [FOLD_TOLERANCE, PARTITION_TOLERANCE]  # the orbit fold, then an exact one
 
 
 def reference_place(load, link, nxt, server_hosts, pushers, nbytes):

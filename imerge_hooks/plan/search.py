@@ -43,6 +43,9 @@ TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by
 # IMERGE_PLAN_SEARCH=0 --rank-env IMERGE_PARTITION_BYTES=...`` measures one size; its JSON has each
 # run's ``worker_cpu_s_per_iter``).
 PARTITION_TOLERANCE = 0.02
+# On the simulator's approximate fold (servers folded too) the choices must win by more than its error
+# against simulating every worker (benchmarks/results/fold-check.json: at most 4.1%).
+FOLD_TOLERANCE = 0.05
 # Windows per server tried for the winning plan, in partitions (schedule.windows); the first is the rule's.
 SERVER_WINDOWS = (1, 2, 4)
 
@@ -126,7 +129,8 @@ def partition_sizes(configured: int) -> list[int]:
 
 
 def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[list[list[int]], int], float],
-           partition_bytes: int, partitioned: bool) -> tuple[Candidate, list[Candidate], int, str]:
+           partition_bytes: int, partitioned: bool,
+           tolerance: float = PARTITION_TOLERANCE) -> tuple[Candidate, list[Candidate], int, str]:
     """Score every candidate plan at ``partition_bytes``; for partitioned schedules, then
     alternate: the best plan at neighbouring partition sizes, and every plan again at the size
     that won, until neither the size nor the plan changes (at most ``SEARCH_ROUNDS`` times).
@@ -159,12 +163,12 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
             tried = []
             for size in sizes:
                 if (at, size) not in cache:
-                    bound = pick(tried, PARTITION_TOLERANCE).iteration_s * (1.0 - PARTITION_TOLERANCE) if tried \
+                    bound = pick(tried, tolerance).iteration_s * (1.0 - tolerance) if tried \
                         else None
                     cache[(at, size)] = score(best.groups, size, bound=bound)
                 tried.append(Candidate(f"{size >> 10} KiB", best.groups, cache[(at, size)]))
             sizes_note = "; partitions: " + ", ".join(f"{c.label} {c.iteration_s * 1e3:.2f} ms" for c in tried)
-            size = sizes[tried.index(pick(tried, PARTITION_TOLERANCE))]
+            size = sizes[tried.index(pick(tried, tolerance))]
             if size == chosen_partition:
                 break
             chosen_partition = size
@@ -181,7 +185,8 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
 def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                   score: Callable[..., float], sizes: Sequence[float],
                   ready: Sequence[float], cost_model: CostModel, partition_bytes: int,
-                  partitioned: bool, staggered: bool = False, windowed: bool = False) -> tuple[Plan, list[Candidate]]:
+                  partitioned: bool, staggered: bool = False, windowed: bool = False,
+                  tolerance: float = PARTITION_TOLERANCE) -> tuple[Plan, list[Candidate]]:
     """:func:`search`, as a Plan: the winner's groups with their FIFO-model start/end times,
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and the
     explanation as ``note``; plus every candidate's score.
@@ -199,15 +204,16 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     ``windowed`` (a partitioned schedule on several servers): ``score`` takes ``server_credit``, and the
     winner is tried with ``SERVER_WINDOWS`` partitions in flight to each server (``schedule.windows``:
     the worker's window grows with it) besides one; a wider window must win by ``PARTITION_TOLERANCE``
-    (``server_credit_bytes``)."""
+    (``server_credit_bytes``). ``tolerance``: what a partition size, stagger or window other than the
+    configured one must win by (``PARTITION_TOLERANCE``; more where the scores are approximate)."""
     best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
-                                           if staggered else score, partition_bytes, partitioned)
+                                           if staggered else score, partition_bytes, partitioned, tolerance)
     stagger = None
     if staggered:
         unstaggered, _, unstaggered_partition, _ = search([(best.label, best.groups)],
                                                           lambda g, p, bound=None: score(g, p, False, bound=bound),
-                                                          partition, partitioned)
-        stagger = not unstaggered.iteration_s < best.iteration_s * (1.0 - PARTITION_TOLERANCE)
+                                                          partition, partitioned, tolerance)
+        stagger = not unstaggered.iteration_s < best.iteration_s * (1.0 - tolerance)
         if not stagger:
             best, partition = unstaggered, unstaggered_partition
         note += (f"; {'with' if stagger else 'without'} stagger (without: {unstaggered.iteration_s * 1e3:.2f} ms at "
@@ -216,10 +222,10 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     if windowed:
         tried = [best.iteration_s]
         for factor in SERVER_WINDOWS[1:]:
-            bound = min(tried) * (1.0 - PARTITION_TOLERANCE)
+            bound = min(tried) * (1.0 - tolerance)
             tried.append(score(best.groups, partition, *(() if stagger is None else (stagger,)), bound=bound,
                                server_credit=factor * partition))
-        wins = [i for i, t in enumerate(tried) if t < tried[0] * (1.0 - PARTITION_TOLERANCE)]
+        wins = [i for i, t in enumerate(tried) if t < tried[0] * (1.0 - tolerance)]
         if wins:
             at = min(wins, key=lambda i: tried[i])
             server_credit = SERVER_WINDOWS[at] * partition

@@ -23,7 +23,13 @@ from ..config import (
 from ..layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
 from ..plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from ..plan.planner import Plan, plan
-from ..plan.search import SearchBudgetSpent, candidate_plans, searched_plan
+from ..plan.search import (
+    FOLD_TOLERANCE,
+    PARTITION_TOLERANCE,
+    SearchBudgetSpent,
+    candidate_plans,
+    searched_plan,
+)
 from ..schedule import SchedulePolicy, tail_group, windows
 from .loop import _Sim
 from .results import KeyInfo, SimResult
@@ -78,8 +84,9 @@ def fold_factor(cluster: ClusterSpec, stagger: bool = False) -> int:
     by k and servers by k maps the cluster onto itself only where the key layout repeats with that
     shift, and :func:`server_orbits` folds servers s, s + k, ... (mod S) into one simulated server;
     the layout only roughly repeats (a server with one key more than its orbit's others is averaged
-    with them), so that fold is approximate: ``SimResult.server_orbits`` says so, the plan search does
-    not choose stagger or partition size on it, and ``benchmarks/fold_check.py`` measures it against
+    with them), so that fold is approximate: ``SimResult.server_orbits`` says so, a plan search on it
+    takes a partition size, stagger or window other than the configured one only where it wins by more
+    than the fold's error (``FOLD_TOLERANCE``), and ``benchmarks/fold_check.py`` measures it against
     simulating every worker. The cost of an iteration then grows with k, not W x S.
     """
     W, S = cluster.workers, cluster.servers
@@ -181,12 +188,13 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
         return seconds
 
     traits = SCHEDULE_TRAITS[schedule]
-    # On an approximate fold (server_orbits) stagger and partition size are not chosen: kept as configured.
+    # On an approximate fold (server_orbits) a partition size, stagger or window other than the configured
+    # one must win by more than that fold's error.
     exact = not traits.stagger or server_orbits(cluster, fold_factor(cluster, True), True) is None
     return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
-                         partition_bytes, traits.partition and exact,
-                         staggered=traits.stagger and cluster.servers > 1 and exact,
-                         windowed=traits.partition and cluster.servers > 1 and exact)
+                         partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1,
+                         windowed=traits.partition and cluster.servers > 1,
+                         tolerance=PARTITION_TOLERANCE if exact else FOLD_TOLERANCE)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
