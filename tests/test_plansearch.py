@@ -11,6 +11,7 @@ from imerge_hooks.plan.choice import choose_plan, cluster_for, model_spec_from_p
 from imerge_hooks.plan.costmodel import LinearModel, PSModel
 from imerge_hooks.plan.planner import plan
 from imerge_hooks.plan.search import (
+    MANY_SERVERS_FACTORS,
     MIN_PARTITION_BYTES,
     PARTITION_TOLERANCE,
     StartupScaled,
@@ -145,6 +146,7 @@ def test_simulate_rejects_a_bad_explicit_plan():
 
 def test_partition_sizes_and_search_logic():
     assert partition_sizes(4 * MiB) == [4 * MiB, 2 * MiB, MiB, 8 * MiB]
+    assert partition_sizes(4 * MiB, MANY_SERVERS_FACTORS) == [4 * MiB, 2 * MiB, MiB, 8 * MiB, 256 * KiB]
     assert partition_sizes(256 * KiB) == [256 * KiB, 512 * KiB]  # never below MIN_PARTITION_BYTES
     cands = [("fused", [[0, 1, 2]]), ("pairs", [[0, 1], [2]]), ("unfused", [[0], [1], [2]])]
     # Hand-made scores. At 4 MiB "pairs" wins and likes 1 MiB best; at 1 MiB "unfused" overtakes

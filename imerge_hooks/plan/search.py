@@ -34,6 +34,11 @@ STARTUP_FACTORS = (1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 64)
 SMALL_BUCKETS = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 # Partition sizes tried for the best plan (partitioned schedules), relative to the current size.
 PARTITION_FACTORS = (1.0, 0.5, 0.25, 2.0)
+# On many servers every group is cut into at least one key per server, so sizes between a few MiB and
+# a group / S cut it into the same keys: a plateau the steps above cannot cross. There a jump to 1/16
+# is tried too.
+MANY_SERVERS = 16
+MANY_SERVERS_FACTORS = PARTITION_FACTORS + (1 / 16,)
 MIN_PARTITION_BYTES = 256 << 10
 SEARCH_ROUNDS = 4  # alternations of partition size and plan (search)
 TIE_TOLERANCE = 0.005  # relative: a later candidate must beat an earlier one by more than this
@@ -118,10 +123,10 @@ def pick(scored: Sequence[Candidate], tolerance: float = TIE_TOLERANCE) -> Candi
     return best
 
 
-def partition_sizes(configured: int) -> list[int]:
+def partition_sizes(configured: int, factors: Sequence[float] = PARTITION_FACTORS) -> list[int]:
     """Partition sizes to try: the configured one first, then smaller and larger ones."""
     out: list[int] = []
-    for factor in PARTITION_FACTORS:
+    for factor in factors:
         size = max(MIN_PARTITION_BYTES, int(configured * factor))
         if size not in out:
             out.append(size)
@@ -129,8 +134,8 @@ def partition_sizes(configured: int) -> list[int]:
 
 
 def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[list[list[int]], int], float],
-           partition_bytes: int, partitioned: bool,
-           tolerance: float = PARTITION_TOLERANCE) -> tuple[Candidate, list[Candidate], int, str]:
+           partition_bytes: int, partitioned: bool, tolerance: float = PARTITION_TOLERANCE,
+           factors: Sequence[float] = PARTITION_FACTORS) -> tuple[Candidate, list[Candidate], int, str]:
     """Score every candidate plan at ``partition_bytes``; for partitioned schedules, then
     alternate: the best plan at neighbouring partition sizes, and every plan again at the size
     that won, until neither the size nor the plan changes (at most ``SEARCH_ROUNDS`` times).
@@ -159,7 +164,7 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
     if partitioned:
         for _ in range(SEARCH_ROUNDS):
             at = scored.index(best)
-            sizes = partition_sizes(chosen_partition)
+            sizes = partition_sizes(chosen_partition, factors)
             tried = []
             for size in sizes:
                 if (at, size) not in cache:
@@ -186,7 +191,7 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                   score: Callable[..., float], sizes: Sequence[float],
                   ready: Sequence[float], cost_model: CostModel, partition_bytes: int,
                   partitioned: bool, staggered: bool = False, windowed: bool = False,
-                  tolerance: float = PARTITION_TOLERANCE) -> tuple[Plan, list[Candidate]]:
+                  tolerance: float = PARTITION_TOLERANCE, servers: int = 1) -> tuple[Plan, list[Candidate]]:
     """:func:`search`, as a Plan: the winner's groups with their FIFO-model start/end times,
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and the
     explanation as ``note``; plus every candidate's score.
@@ -205,14 +210,17 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     winner is tried with ``SERVER_WINDOWS`` partitions in flight to each server (``schedule.windows``:
     the worker's window grows with it) besides one; a wider window must win by ``PARTITION_TOLERANCE``
     (``server_credit_bytes``). ``tolerance``: what a partition size, stagger or window other than the
-    configured one must win by (``PARTITION_TOLERANCE``; more where the scores are approximate)."""
+    configured one must win by (``PARTITION_TOLERANCE``; more where the scores are approximate).
+    ``servers``: more than ``MANY_SERVERS`` adds the jump of ``MANY_SERVERS_FACTORS``."""
+    factors = MANY_SERVERS_FACTORS if servers > MANY_SERVERS else PARTITION_FACTORS
     best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
-                                           if staggered else score, partition_bytes, partitioned, tolerance)
+                                           if staggered else score, partition_bytes, partitioned, tolerance,
+                                           factors)
     stagger = None
     if staggered:
         unstaggered, _, unstaggered_partition, _ = search([(best.label, best.groups)],
                                                           lambda g, p, bound=None: score(g, p, False, bound=bound),
-                                                          partition, partitioned, tolerance)
+                                                          partition, partitioned, tolerance, factors)
         stagger = not unstaggered.iteration_s < best.iteration_s * (1.0 - tolerance)
         if not stagger:
             best, partition = unstaggered, unstaggered_partition

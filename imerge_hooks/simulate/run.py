@@ -194,7 +194,7 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
     return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
                          partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1,
                          windowed=traits.partition and cluster.servers > 1,
-                         tolerance=PARTITION_TOLERANCE if exact else FOLD_TOLERANCE)
+                         tolerance=PARTITION_TOLERANCE if exact else FOLD_TOLERANCE, servers=cluster.servers)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
