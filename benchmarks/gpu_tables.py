@@ -143,7 +143,8 @@ def cell(model: str, shape: str, gbit: float, workers: int, schedule: str) -> di
     """Simulate one cell here."""
     from benchmarks.allreduce_model import allreduce_bound_s
     from benchmarks.gpu_speed import profile_path, time_scale
-    from imerge_hooks.config import PARTITION_BYTES, SCHEDULE_TRAITS
+    from imerge_hooks import Config
+    from imerge_hooks.internals import SCHEDULE_TRAITS
     from imerge_hooks.simulate import ALLREDUCE_SCHEDULES, ClusterSpec, ModelSpec, simulate, simulate_allreduce
 
     spec = ModelSpec.from_profile_json(profile_path(model))
@@ -181,7 +182,7 @@ def cell(model: str, shape: str, gbit: float, workers: int, schedule: str) -> di
            "local_Bps": cluster.local_Bps, "startup_s": FALLBACK_STARTUP_S}
     if schedule == "imerge":
         plan = result.plan
-        row["partition_bytes"] = plan.partition_bytes if plan and plan.partition_bytes else PARTITION_BYTES
+        row["partition_bytes"] = plan.partition_bytes if plan and plan.partition_bytes else Config().partition_bytes
         row["stagger"] = (plan.stagger if plan and plan.stagger is not None else SCHEDULE_TRAITS["imerge"].stagger)
         row["plan_method"] = plan.method if plan else None
     return row
