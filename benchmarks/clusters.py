@@ -200,9 +200,8 @@ SIM_STARTUP_S = 200e-6  # the servers' per-push work (run.py's fallback when no 
 
 def simulate_row(row: dict) -> float:
     """Seconds per iteration that the simulator predicts for one measured row."""
-    from benchmarks.allreduce_model import simulate_allreduce
     from benchmarks.runner.grid import PROFILES
-    from imerge_hooks.simulate import ALLREDUCE_SCHEDULES, ClusterSpec, ModelSpec, simulate
+    from imerge_hooks.simulate import ALLREDUCE_SCHEDULES, ClusterSpec, ModelSpec, simulate, simulate_allreduce
 
     cell = CELLS[row["cell"]]
     spec = ModelSpec.from_profile_json(PROFILES / f"{row['model']}-cpu.json")

@@ -141,11 +141,17 @@ def cells(model: str, shape: str, gbit: float, workers: int, schedules: list[str
 
 def cell(model: str, shape: str, gbit: float, workers: int, schedule: str) -> dict:
     """Simulate one cell here."""
-    from benchmarks.allreduce_model import allreduce_bound_s
     from benchmarks.gpu_speed import profile_path, time_scale
     from imerge_hooks import Config
     from imerge_hooks.internals import SCHEDULE_TRAITS
-    from imerge_hooks.simulate import ALLREDUCE_SCHEDULES, ClusterSpec, ModelSpec, simulate, simulate_allreduce
+    from imerge_hooks.simulate import (
+        ALLREDUCE_SCHEDULES,
+        ClusterSpec,
+        ModelSpec,
+        allreduce_bound_s,
+        simulate,
+        simulate_allreduce,
+    )
 
     spec = ModelSpec.from_profile_json(profile_path(model))
     scale = time_scale(model, spec)

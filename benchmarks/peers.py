@@ -12,7 +12,7 @@
   buffer, Horovod's negotiation), so every worker fuses the same tensors.
 
 The server ranks of a launch take no part (they wait in ``imerge_hooks.init()``). The
-simulator's model of both is ``benchmarks/allreduce_model.py``.
+simulator's model of both is ``imerge_hooks/simulate/allreduce.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
   with fusion buffers small enough that the workers negotiate several of them per backward.
 * ``benchmarks/worker_replay.py`` runs ``ddp``, ``ddp-tuned`` and ``mpi-allreduce`` next to an
   IMerge schedule in one launch and reports them as the runner expects.
-* ``benchmarks/allreduce_model.py``: the ring all-reduce time, DDP's bucket rule, the
+* ``imerge_hooks/simulate/allreduce.py``: the ring all-reduce time, DDP's bucket rule, the
   iteration (forward + max(backward, last all-reduce)) and Horovod's fuse-what-is-ready, by hand.
 """
 
@@ -22,14 +22,16 @@ from mpirun import run_mpi
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.allreduce_model import (  # noqa: E402
+from benchmarks.peers import ddp_caps  # noqa: E402
+from imerge_hooks.simulate import (  # noqa: E402  # noqa: E402
+    ClusterSpec,
+    LayerSpec,
+    ModelSpec,
     allreduce_bound_s,
     ddp_buckets,
     ring_allreduce_s,
     simulate_allreduce,
 )
-from benchmarks.peers import ddp_caps  # noqa: E402
-from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "peers_allreduce.py"
 MiB = 1 << 20

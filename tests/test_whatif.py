@@ -5,7 +5,6 @@ measured error it prints."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from imerge_hooks.simulate import (
     ring_allreduce_s,
     simulate_allreduce,
 )
-from imerge_hooks.simulate import allreduce as allreduce_module
 from imerge_hooks.simulate.choices import Cluster, Option, Outcome, options, predict_all, recommend
 from imerge_hooks.simulate.cpu_budget import CpuBudgetSpent, can_limit, cpu_limit
 from imerge_hooks.simulate.measured import load, sentence, short
@@ -131,13 +129,6 @@ def test_ring_charges_its_in_host_hops_only_when_asked():
     # 3 hops inside a host share 150 MB/s: 3 * 1 MB / 150e6 = 20 ms a step against the NIC's 10 ms
     assert ring_allreduce_s(8e6, 8, 100e6, 0.0, per_host=4, local_Bps=150e6) == pytest.approx(14 * 0.02)
 
-
-def test_benchmarks_model_is_the_library_one():
-    sys.path.insert(0, str(REPO))
-    from benchmarks import allreduce_model
-
-    assert allreduce_model.simulate_allreduce is allreduce_module.simulate_allreduce
-    assert allreduce_model.ring_allreduce_s is allreduce_module.ring_allreduce_s
 
 
 def test_recommendation_picks_the_smallest_predicted_time():

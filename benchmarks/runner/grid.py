@@ -74,7 +74,7 @@ def physical_bound(facts: dict, workers: int, servers: int, bandwidth_Bps: float
     W * bytes / (S * B)). An all-reduce peer: max(compute, 2 (W-1)/W * bytes / B) (every worker's
     link carries 2 (W-1)/W of the bytes each way in a ring)."""
     if schedule in PEERS:
-        from benchmarks.allreduce_model import allreduce_bound_s
+        from imerge_hooks.simulate import allreduce_bound_s
 
         comm = allreduce_bound_s(facts["bytes"], workers, bandwidth_Bps)
     else:

@@ -91,11 +91,11 @@ def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidt
 
 
 def simulate_peer(spec: ModelSpec, cluster: ClusterSpec, schedule: str, plan: dict | None = None) -> SimResult:
-    """A peer on the simulator's ring all-reduce model (``benchmarks.allreduce_model``).
+    """A peer on the simulator's ring all-reduce model (``imerge_hooks.simulate.allreduce``).
     ``ddp-tuned``: the cap that a launch chose (``plan["bucket_cap_mb"]``), else the fastest
     simulated cap of ``peers.ddp_caps``, as worker_replay tunes it on the emulated cluster."""
-    from benchmarks.allreduce_model import simulate_allreduce
     from benchmarks.peers import ddp_caps
+    from imerge_hooks.simulate import simulate_allreduce
 
     if schedule == "mpi-allreduce":
         return simulate_allreduce(spec, cluster, "mpi-allreduce")
