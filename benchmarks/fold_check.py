@@ -1,12 +1,18 @@
 """The simulator's fold against simulating every worker (``imerge_hooks.simulate.fold_factor``).
 
     python benchmarks/fold_check.py [--workers 32,64] [--out benchmarks/results/fold-check.json]
+    python benchmarks/fold_check.py --hosts --workers 128,256 [--out benchmarks/results/fold-check-hosts.json]
 
 For every benchmark profile, W and S in (W, W/2), on the cluster ``benchmarks/plan_time.py`` uses
 (1 Gbit/s links, 200 us startup, the simulator's calibration as cost model): the iteration time of
 ``wfbp`` (no stagger: the fold is exact) and ``imerge`` (the DP plan, with stagger: exact where the
 simulated workers are a multiple of S, else servers are folded too, approximately: ``orbits``) simulated
 folded and with every worker, the same plan in both, and the seconds each took.
+
+``--hosts``: the fold of alike hosts (``imerge_hooks.simulate.run.host_fold``) on ``host_tables.py``'s
+layout (hosts of 8 workers, one server on each, host aggregation, 1 Gbit/s NICs at TCP goodput), where
+it is approximate with or without stagger; ``imerge`` at the configured partition size and at 1 and
+16 MiB, the sizes the plan search weighs.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", default="32,64")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--hosts", action="store_true", help="hosts of 8 with a server each (the fold of alike hosts)")
     args = parser.parse_args()
+    if args.hosts:
+        return hosts_check(args)
     rows = []
     print(f"{'profile':<10} {'W':>4} {'S':>4} {'schedule':<8} {'fold':>4} {'orbits':>6} {'every worker':>13} "
           f"{'folded':>9} {'error':>8} "
@@ -61,6 +70,47 @@ def main() -> None:
                           f"{folded.server_orbits or '-':>6} {full.iteration_s:>13.4f} "
                           f"{folded.iteration_s:>9.4f} {100 * error:>+7.2f}% {full_s:>10.2f} {fold_s:>9.2f}",
                           flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": "python benchmarks/fold_check.py " + " ".join(sys.argv[1:]),
+                                              "rows": rows}, indent=1) + "\n")
+
+
+def hosts_check(args: argparse.Namespace) -> None:
+    from benchmarks.netlab.netlab import GOODPUT
+
+    per_host = 8
+    rows = []
+    print(f"{'profile':<10} {'W':>4} {'S':>3} {'schedule':<8} {'part':>4} {'fold':>4} {'every worker':>13} "
+          f"{'folded':>9} {'error':>8} {'s (every)':>10} {'s (fold)':>9}")
+    for workers in map(int, args.workers.split(",")):
+        hosts = workers // per_host
+        cluster = ClusterSpec(workers=workers, servers=hosts, bandwidth_Bps=1.25e8 * GOODPUT, startup_s=2e-4,
+                              hosts=tuple(w // per_host for w in range(workers)) + tuple(range(hosts)))
+        model = calibrate_model(cluster)
+        for profile in PROFILES:
+            spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json")
+            for schedule, partition in (("wfbp", None), ("imerge", None), ("imerge", 1 << 20), ("imerge", 16 << 20)):
+                extra = {} if partition is None else {"partition_bytes": partition}
+                t = time.process_time()
+                full = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
+                                fold_workers=False, **extra)
+                full_s = time.process_time() - t
+                if partition is None:
+                    partition = full.plan.partition_bytes if full.plan and full.plan.partition_bytes else 4 << 20
+                t = time.process_time()
+                folded = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
+                                  groups=full.groups, partition_bytes=partition)
+                fold_s = time.process_time() - t
+                error = folded.iteration_s / full.iteration_s - 1
+                part = partition >> 20 if schedule == "imerge" else "-"
+                rows.append({"profile": profile, "workers": workers, "servers": hosts, "schedule": schedule,
+                             "partition_bytes": partition if schedule == "imerge" else None, "fold": folded.fold,
+                             "server_orbits": folded.server_orbits, "every_worker_s": full.iteration_s,
+                             "folded_s": folded.iteration_s, "error": error, "cpu_every_s": full_s,
+                             "cpu_folded_s": fold_s})
+                print(f"{profile:<10} {workers:>4} {hosts:>3} {schedule:<8} {part:>4} {folded.fold:>4} "
+                      f"{full.iteration_s:>13.4f} {folded.iteration_s:>9.4f} {100 * error:>+7.2f}% "
+                      f"{full_s:>10.2f} {fold_s:>9.2f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"command": "python benchmarks/fold_check.py " + " ".join(sys.argv[1:]),
                                               "rows": rows}, indent=1) + "\n")

@@ -319,11 +319,19 @@ class _Sim:
                  share_period: float = 1.0, share_seed: int = 0, tail_group: int | None = None,
                  tail_credit: int | None = None, worker_message: float = 0.0, hosts: Sequence[int] | None = None,
                  aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9,
-                 fold: int = 1, server_orbits: int | None = None, server_credit: int | None = None) -> None:
-        # Folding (run.fold_layout): W here are the simulated workers, each standing for ``fold``; with
+                 fold: int = 1, server_orbits: int | None = None, server_credit: int | None = None,
+                 host_fold: int = 1, server_map: Sequence[int] | None = None,
+                 worker_rank: Sequence[int] | None = None) -> None:
+        # Folding (run.fold_factor): W here are the simulated workers, each standing for ``fold``; with
         # ``server_orbits``, the servers are folded too: key k's server is key_server[k] % server_orbits
         # (its orbit), the push order still follows key_server (the real servers) and ``servers`` (S).
+        # ``host_fold`` > 1: alike hosts folded (run.host_fold): ``hosts`` are the simulated ranks' hosts, each
+        # standing for ``host_fold`` real ones, and a push or result between a host and its own server orbit
+        # crosses the NIC for all but one of the real hosts it stands for (``_pair_links``); ``server_map``
+        # gives each real server's simulated one (else s % server_orbits) and ``worker_rank`` each simulated
+        # worker's real rank (its start server with stagger; else its own index).
         orbits = servers if server_orbits is None else int(server_orbits)
+        self.host_fold = int(host_fold)
         self.W, self.S, self.B, self.startup = workers, orbits, float(bandwidth), float(startup)
         self.real_S = servers
         # Each push and result stands for this many at its (simulated) server: on its link and its work.
@@ -351,7 +359,9 @@ class _Sim:
         self.groups = [list(g) for g in groups]
         self.group_keys = [list(k) for k in group_keys]
         self.key_bytes, self.slot_server = list(key_bytes), list(key_server)
-        self.key_server = [s % orbits for s in key_server]
+        to_orbit = [s % orbits for s in range(servers)] if server_map is None else list(server_map)
+        self.key_server = [to_orbit[s] for s in key_server]
+        self.worker_rank = list(range(workers)) if worker_rank is None else list(worker_rank)
         self.key_group = [0] * len(key_bytes)
         for g, keys in enumerate(self.group_keys):
             for k in keys:
@@ -403,7 +413,7 @@ class _Sim:
         for k in range(len(key_bytes)):
             g, real = self.key_group[k], self.slot_server[k]
             i = nth[(g, real)] = nth.get((g, real), -1) + 1
-            self.key_class.append(classes.setdefault((g, real % orbits, i) if orbits < servers else (k,),
+            self.key_class.append(classes.setdefault((g, self.key_server[k], i) if orbits < servers else (k,),
                                                      len(classes)))
         self.class_count = [0] * len(classes)
         self.class_expected = [0] * len(classes)
@@ -430,7 +440,7 @@ class _Sim:
         self.gave_up = False
         self.cpu_deadline: float | None = None  # this thread's CPU time (time.thread_time) to stop at
         self.wtrack = [f"worker {r}" for r in range(W)]
-        self.strack = [f"server {s}" if orbits == servers else f"servers {s} mod {orbits}" for s in range(orbits)]
+        self.strack = [f"server {s}" if orbits == servers else f"server orbit {s}" for s in range(orbits)]
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:
@@ -488,6 +498,18 @@ class _Sim:
         """The links a message from rank ``src`` to rank ``dst`` crosses (module doc of _Sim)."""
         a, b = self.host[src], self.host[dst]
         return (2 * self.H + a,) if a == b else (a, self.H + b)
+
+    def _pair_links(self, src: int, dst: int, coefs: tuple[float, float]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Links and coefficients of a push or result between worker and server ranks ``src`` and ``dst``.
+        With alike hosts folded, a simulated host and its own server orbit stand for ``host_fold`` hosts each
+        with a server: of the real pairs, one in ``host_fold`` is inside a host (its local link, taken as
+        free) and the others cross both NICs, so the message crosses this host's NIC with that share of its
+        bytes; on average each real NIC then carries what it does unfolded."""
+        a, b = self.host[src], self.host[dst]
+        if a != b or self.host_fold <= 1:
+            return self.links(src, dst), coefs
+        share = (self.host_fold - 1) / self.host_fold
+        return (a, self.H + b), (coefs[0] * share, coefs[1] * share)
 
     def _push_event(self, t: float, code: int, payload: Any) -> None:
         heapq.heappush(self.heap, (t, next(self.seq), code, payload))
@@ -563,7 +585,7 @@ class _Sim:
             self._group_done(r, g)
             return
         self.pending[r][g] = len(keys)
-        slots = key_slots([self.slot_server[k] for k in keys], r, self.real_S, self.stagger)
+        slots = key_slots([self.slot_server[k] for k in keys], self.worker_rank[r], self.real_S, self.stagger)
         prio = self.group_prio[g] if self.priority else 0
         w = self.workers[r]
         if g == self.tail_group:
@@ -605,8 +627,8 @@ class _Sim:
             nbytes = self.key_bytes[k]
             credit.started(nbytes, self.slot_server[k])
             s = self.key_server[k]
-            m = _Msg(True, r, s, k, nbytes, self.links(r, self.W + s), "", (r, self.W + self.slot_server[k]),
-                     coefs=(1.0, self.fold))
+            links, coefs = self._pair_links(r, self.W + s, (1.0, self.fold))
+            m = _Msg(True, r, s, k, nbytes, links, "", (r, self.W + self.slot_server[k]), coefs=coefs)
             if self.worker_message > 0.0:
                 self._push_event(self._thread_slot(r), _EV_POSTED, m)
             else:
@@ -627,8 +649,9 @@ class _Sim:
             return
         self.class_count[c] = 0
         for key, worker in self.key_pushers.pop(c):
-            self._send(_Msg(False, worker, s, key, self.key_bytes[key], self.links(self.W + s, worker), "",
-                            (self.W + self.slot_server[key], worker), coefs=(self.fold, 1.0)))
+            links, coefs = self._pair_links(self.W + s, worker, (self.fold, 1.0))
+            self._send(_Msg(False, worker, s, key, self.key_bytes[key], links, "",
+                            (self.W + self.slot_server[key], worker), coefs=coefs))
 
     def _delivered(self, m: _Msg) -> None:
         if m.kind:

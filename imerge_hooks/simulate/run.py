@@ -25,6 +25,7 @@ from ..plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from ..plan.planner import Plan, plan
 from ..plan.search import (
     FOLD_TOLERANCE,
+    HOST_FOLD_TOLERANCE,
     PARTITION_TOLERANCE,
     SearchBudgetSpent,
     candidate_plans,
@@ -33,7 +34,7 @@ from ..plan.search import (
 from ..schedule import SchedulePolicy, tail_group, windows
 from .loop import _Sim
 from .results import KeyInfo, SimResult
-from .specs import FOLD_ABOVE, FOLD_ORBIT_WORKERS, FOLD_WORKERS, ClusterSpec, ModelSpec
+from .specs import FOLD_ABOVE, FOLD_HOSTS, FOLD_ORBIT_WORKERS, FOLD_WORKERS, ClusterSpec, ModelSpec
 
 
 def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int]:
@@ -70,10 +71,10 @@ def _layout(groups: Sequence[Sequence[int]], sizes: Sequence[int], partition_byt
 
 
 def fold_factor(cluster: ClusterSpec, stagger: bool = False) -> int:
-    """How many workers one simulated worker stands for, where every rank has a host of its own
-    (hosts=None): 1 up to ``FOLD_ABOVE`` workers, else the largest ``m`` dividing W that leaves
-    k = W/m >= ``FOLD_WORKERS`` workers; with ``stagger``, the largest that leaves a multiple of S
-    (exact, below), else the largest that leaves at least ``FOLD_ORBIT_WORKERS``.
+    """How many workers one simulated worker stands for: on a ``hosts`` layout, ``host_fold``; where
+    every rank has a host of its own (hosts=None), 1 up to ``FOLD_ABOVE`` workers, else the largest ``m``
+    dividing W that leaves k = W/m >= ``FOLD_WORKERS`` workers; with ``stagger``, the largest that leaves a
+    multiple of S (exact, below), else the largest that leaves at least ``FOLD_ORBIT_WORKERS``.
 
     Workers are alike (one model, one plan, one key layout), so k simulated workers can stand for W:
     simulated worker j stands for workers j, j + k, j + 2k, ... Without stagger they all push the same
@@ -90,7 +91,9 @@ def fold_factor(cluster: ClusterSpec, stagger: bool = False) -> int:
     simulating every worker. The cost of an iteration then grows with k, not W x S.
     """
     W, S = cluster.workers, cluster.servers
-    if cluster.hosts is not None or W <= FOLD_ABOVE:
+    if cluster.hosts is not None:
+        return host_fold(cluster)
+    if W <= FOLD_ABOVE:
         return 1
     folds = [m for m in range(W // FOLD_WORKERS, 1, -1) if W % m == 0]
     if not stagger or S <= 1:
@@ -101,10 +104,73 @@ def fold_factor(cluster: ClusterSpec, stagger: bool = False) -> int:
     return next((m for m in folds if W // m >= FOLD_ORBIT_WORKERS), 1)
 
 
+def alike_hosts(cluster: ClusterSpec) -> tuple[int, int, int] | None:
+    """(H, workers per host, servers per host) where every one of the H hosts has the same workers and at
+    least one server, the ranks of each filling it in rank order (host 0 first); else None."""
+    hosts = cluster.rank_hosts
+    W, S = cluster.workers, cluster.servers
+    H = len(set(hosts))
+    if W % H or S % H:
+        return None
+    g, c = W // H, S // H
+    if hosts[:W] != tuple(r // g for r in range(W)) or hosts[W:] != tuple(s // c for s in range(S)):
+        return None
+    return H, g, c
+
+
+def host_fold(cluster: ClusterSpec) -> int:
+    """How many alike hosts one simulated host stands for (a ``hosts`` layout, see ``alike_hosts``): 1 up
+    to ``FOLD_ABOVE`` workers, else the largest ``f`` dividing H that leaves at least ``FOLD_HOSTS`` hosts.
+
+    Simulated host j (its workers and servers, host aggregation inside it as unfolded) stands for the f
+    hosts j*f .. (j+1)*f - 1, and its servers for theirs (``server_orbits``, ``_host_fold_layout``; the
+    like keys of a group on one orbit summed together, as in the fold of one rank per host).
+    A push from host h to a server of another orbit is f pushes from f real hosts to f servers, each on
+    its own NICs: the simulated message carries one real push's bytes on each NIC. To its own orbit, one
+    real pair in f is inside a host, so the message carries (f - 1)/f of its bytes on the NICs
+    (``_Sim._pair_links``); every real NIC then carries on average what it does unfolded. The fold is
+    approximate like the orbit fold (``SimResult.server_orbits`` says so; ``benchmarks/fold_check.py
+    --hosts`` measures it against simulating every host).
+    """
+    shape = alike_hosts(cluster)
+    if shape is None or cluster.workers <= FOLD_ABOVE:
+        return 1
+    H = shape[0]
+    return next((f for f in range(H // FOLD_HOSTS, 1, -1) if H % f == 0), 1)
+
+
+def _host_fold_layout(cluster: ClusterSpec, fold: int) -> tuple[tuple[int, ...], list[int], list[int]]:
+    """The simulated ranks' hosts, each real server's simulated one and each simulated worker's real rank
+    under ``host_fold`` ``fold``: simulated host j stands for the block of hosts j*fold .. (j+1)*fold - 1 and
+    its servers for the block's servers. Blocks rather than every k-th host: the key layout fills servers
+    in order, so servers next to each other carry alike loads and an orbit averages less. Its workers are
+    those of one host of the block, chosen so that their start servers (stagger: rank mod S) cover the
+    servers as evenly as the real workers' do; otherwise every simulated host could start on the same few
+    servers (an artefact of the fold, not of the schedule)."""
+    H, g, c = alike_hosts(cluster)  # type: ignore[misc]  # host_fold > 1 only on alike hosts
+    k, S = H // fold, cluster.servers
+    hosts = tuple(j for j in range(k) for _ in range(g)) + tuple(j for j in range(k) for _ in range(c))
+    server_map = [(s // c // fold) * c + s % c for s in range(S)]
+    starts = [0] * S
+    worker_rank: list[int] = []
+    for j in range(k):
+        def crowding(h: int) -> tuple[int, int]:
+            after = Counter((h * g + i) % S for i in range(g))
+            return max(starts[s] + n for s, n in after.items()), h
+        h = min(range(j * fold, (j + 1) * fold), key=crowding)
+        for i in range(g):
+            starts[(h * g + i) % S] += 1
+            worker_rank.append(h * g + i)
+    return hosts, server_map, worker_rank
+
+
 def server_orbits(cluster: ClusterSpec, fold: int, stagger: bool) -> int | None:
     """How many simulated servers stand for the cluster's S under ``fold`` (``fold_factor``): None (all
     simulated) without stagger or where the simulated workers' start servers cover every server alike
-    (W/fold a multiple of S), else ``gcd(W/fold, S)`` (approximate, see ``fold_factor``)."""
+    (W/fold a multiple of S), else ``gcd(W/fold, S)`` (approximate, see ``fold_factor``); with alike hosts
+    folded (``host_fold``), S/fold, stagger or not."""
+    if fold > 1 and cluster.hosts is not None:
+        return cluster.servers // fold
     if fold <= 1 or not stagger or cluster.servers <= 1:
         return None
     orbits = math.gcd(cluster.workers // fold, cluster.servers)
@@ -119,6 +185,12 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
     """The event loop for ``cluster``, its workers folded by ``fold`` (``fold_factor``): W/fold workers,
     with stagger the servers too (``server_orbits``), the fabric carrying 1/fold of the traffic."""
     fabric = None if cluster.fabric_Bps is None else cluster.fabric_Bps / fold
+    orbits = server_orbits(cluster, fold, stagger)
+    hosts: tuple[int, ...] | None = None if fold > 1 else cluster.rank_hosts  # one rank per host: all own hosts
+    folded_hosts, server_map, worker_rank = 1, None, None
+    if fold > 1 and cluster.hosts is not None:
+        folded_hosts = fold
+        hosts, server_map, worker_rank = _host_fold_layout(cluster, fold)
     return _Sim(fwd=fwd, bwd=bwd, layer_names=layer_names, layer_tensors=layer_tensors, groups=groups,
                 group_keys=group_keys, key_bytes=[k.nbytes for k in keys],
                 key_server=[k.server for k in keys],
@@ -127,9 +199,10 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 push_after_backward=push_after_backward, overlap=overlap, iterations=iterations, record=record,
                 fabric=fabric, share_cv=cluster.share_cv, share_period=cluster.share_period_s,
                 share_seed=cluster.share_seed, tail_group=tail_group, tail_credit=tail_credit,
-                worker_message=cluster.worker_message_s, hosts=None if fold > 1 else cluster.rank_hosts,
+                worker_message=cluster.worker_message_s, hosts=hosts,
                 aggregate=cluster.aggregates, local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps,
-                fold=fold, server_orbits=server_orbits(cluster, fold, stagger), server_credit=server_credit)
+                fold=fold, server_orbits=orbits, server_credit=server_credit, host_fold=folded_hosts,
+                server_map=server_map, worker_rank=worker_rank)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -188,13 +261,19 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
         return seconds
 
     traits = SCHEDULE_TRAITS[schedule]
-    # On an approximate fold (server_orbits) a partition size, stagger or window other than the configured
-    # one must win by more than that fold's error.
-    exact = not traits.stagger or server_orbits(cluster, fold_factor(cluster, True), True) is None
+    # On an approximate fold (server_orbits, host_fold) a partition size, stagger or window other than the
+    # configured one must win by more than that fold's error.
+    fold = fold_factor(cluster, True)
+    if fold > 1 and cluster.hosts is not None:
+        tolerance = HOST_FOLD_TOLERANCE
+    elif not traits.stagger or server_orbits(cluster, fold, True) is None:
+        tolerance = PARTITION_TOLERANCE
+    else:
+        tolerance = FOLD_TOLERANCE
     return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
                          partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1,
                          windowed=traits.partition and cluster.servers > 1,
-                         tolerance=PARTITION_TOLERANCE if exact else FOLD_TOLERANCE, servers=cluster.servers)
+                         tolerance=tolerance, servers=cluster.servers)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:

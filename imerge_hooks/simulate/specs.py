@@ -27,6 +27,9 @@ FOLD_ABOVE = 16
 # With stagger, where no fold leaves a multiple of S workers, the approximate fold over servers too
 # (run.server_orbits) keeps at least this many workers (the finer its orbits, the closer it comes).
 FOLD_ORBIT_WORKERS = 16
+# A cluster of more than FOLD_ABOVE workers on alike hosts (run.host_fold) is simulated through at least
+# this many hosts.
+FOLD_HOSTS = 8
 
 
 # ---------------------------------------------------------------------------------- specs
