@@ -5,8 +5,10 @@ tasks go out FIFO, or front layers first when ``priority`` is on (a partly sent 
 to a higher-priority one at partition granularity). With ``stagger`` worker r starts each
 group's partition sequence at server r % S. At most ``credit_bytes`` of pushes are in flight
 (at least one push always is; credit returns when a push is delivered; ``tail_credit_bytes``
-for other keys while the plan's urgent last group is due; ``schedule``). Errors are kept and
-re-raised in the thread that waits.
+for other keys while the plan's urgent last group is due; ``schedule``). A key whose data is not
+ready yet (CUDA: its gradients' events have not completed, ``Group.slot_ready``) waits outside the
+queues while the thread goes on with every other key, result and poll; the thread never waits on
+the device. Errors are kept and re-raised in the thread that waits.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class CommThread:
         self._remaining: dict[int, int] = {}  # id(group) -> keys not finished
         self._active: dict[int, Group] = {}  # id(group) -> group, while submitted and not done
         self._flows = Flows()  # each engine's ready keys and credit (comm thread only)
+        self._unready: list[tuple[_Task, Callable[[_Task], None]]] = []  # keys whose data is not ready, and what then
         self._thread = threading.Thread(target=self._run, name="imerge-comm", daemon=True)
         self._stopped = threading.Event()
         self._wake = threading.Event()  # set by submit()/stop(): ends the comm thread's back-off sleep
@@ -164,11 +167,13 @@ class CommThread:
         try:
             while True:
                 # 1. take new groups
-                if not self._take_groups(flows, block=not flows.waiting and not inflight and not self._local_ops):
+                idle = not flows.waiting and not inflight and not self._local_ops and not self._unready
+                if not self._take_groups(flows, block=idle):
                     self._stopped.set()
                     return
-                # 2. start tasks within their engine's credit; 3. complete what finished
-                progressed = self._start_ready(flows, inflight, sends, recvs)
+                # 2. keys whose data became ready; start tasks within their engine's credit; 3. complete
+                progressed = self._poll_unready() if self._unready else False
+                progressed = self._start_ready(flows, inflight, sends, recvs) or progressed
                 progressed = self._retire_done(inflight, sends, recvs) or progressed
                 if self._local_ops:
                     progressed = self._retire_local() or progressed
@@ -185,6 +190,8 @@ class CommThread:
                 elif inflight or self._local_ops:
                     oldest = next(iter(inflight.values() or self._local_ops.values())).started
                     backoff.idle(now - oldest)
+                elif self._unready:  # only the device to wait for: short naps
+                    backoff.idle()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
             self._fail(exc)
 
@@ -288,12 +295,36 @@ class CommThread:
                 continue
             del self._local_ops[id(op)]
             task = op.task
-            if op.kind == "gather":  # the host's sum is ready: it waits for credit like any push
-                task.buffer = task.group.add_contributions(task.slot, len(op.peers))
-                task.flow.ready.add(task, task.nbytes, task.priority, task.group.urgent, task.server)
+            if op.kind == "gather":  # the host's gradients are in; once its own is, the sum goes like any push
+                self._when_ready(task, lambda t, parts=len(op.peers): self._push_sum(t, parts))
             else:
                 self._finish(task, op.started)
         return bool(finished)
+
+    def _push_sum(self, task: _Task, parts: int) -> None:
+        """Host aggregation, the key's owner: add its host's gradients to its own; the sum waits for credit."""
+        task.buffer = task.group.add_contributions(task.slot, parts)
+        _queue(task)
+
+    # ------------------------------------------------------------------ data readiness
+    def _when_ready(self, task: _Task, then: Callable[[_Task], None]) -> None:
+        """``then(task)`` now if the key's data is ready (``Group.slot_ready``), else once it is."""
+        if task.group.slot_ready(task.slot):
+            then(task)
+        else:
+            self._unready.append((task, then))
+
+    def _poll_unready(self) -> bool:
+        """Carry on with the keys whose data became ready, in the order they came; True if any."""
+        waiting, self._unready = self._unready, []
+        progressed = False
+        for task, then in waiting:
+            if task.group.slot_ready(task.slot):
+                then(task)
+                progressed = True
+            else:
+                self._unready.append((task, then))
+        return progressed
 
     def _check_local(self, now: float) -> None:
         """Name the local worker a key waits for past its deadline: a gather gives up first (before
@@ -379,11 +410,14 @@ class CommThread:
         for slot in slots:
             task = _Task(group, slot, flow, prio)
             if self.host_size == 1:
-                flow.ready.add(task, task.nbytes, prio, group.urgent, task.server)
+                self._when_ready(task, _queue)
             elif key_owner(group.keys[slot].key, self.host_size) == self.local_rank:
-                self._start_local(task, "gather")
+                self._start_local(task, "gather")  # receives only; its own gradient is read when the others are in
             else:
-                self._start_local(task, "contribute")
+                self._when_ready(task, self._contribute)
+
+    def _contribute(self, task: _Task) -> None:
+        self._start_local(task, "contribute")
 
     def _start(self, task: _Task) -> _InFlight:
         spec = task.group.keys[task.slot]
@@ -428,6 +462,11 @@ class CommThread:
         while self.comm.Iprobe(MPI.ANY_SOURCE, TAG_ERROR, status):
             report = self.comm.recv(source=status.Get_source(), tag=TAG_ERROR)
             raise IMergeError(report.get("message", str(report)))
+
+
+def _queue(task: _Task) -> None:
+    """The key waits for its engine's credit, in its schedule's order."""
+    task.flow.ready.add(task, task.nbytes, task.priority, task.group.urgent, task.server)
 
 
 def _run_callbacks(group: Group, error: BaseException | None) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import runtime, session, streams
+from . import runtime, session
 from .config import PROCESS_OPTIONS, SCHEDULE_TRAITS, SCHEDULES, Config
 from .engine import GradientEngine
 from .errors import IMergeArgumentError, IMergeConfigError, IMergeUsageError
@@ -177,17 +177,21 @@ class IMergeHookState:
             offset += numel
         # On CUDA the averaged buckets come from the gradient buffer, uploaded on the copy stream: the
         # copies into DDP's buckets queue behind those uploads there, and each future is completed with
-        # that stream current, so DDP's wait on it makes its stream wait for them (not the host).
+        # that stream current, so DDP's wait on it makes its stream wait for them (not the host); the
+        # next round's writes into the gradient buffer wait for those copies (``Group.before_write``).
         result = group.flat if group.on_device else group.result
 
         def complete(error: BaseException | None) -> None:
-            with streams.on_copy_stream(result.device) if result.device.type == "cuda" else nullcontext():
-                self._deliver(spans, result, error)
+            with group.device.on_copy_stream() if group.on_device else nullcontext():
+                self._deliver(group, spans, result, error)
 
         return complete
 
-    def _deliver(self, spans: list[tuple[int, int, int]], result: torch.Tensor, error: BaseException | None) -> None:
-        """Hand each of this iteration's buckets in ``spans`` its averaged slice of ``result`` (or ``error``)."""
+    def _deliver(self, group: Group, spans: list[tuple[int, int, int]], result: torch.Tensor,
+                 error: BaseException | None) -> None:
+        """Hand each of this iteration's buckets in ``spans`` its averaged slice of ``result`` (or ``error``):
+        every copy queued first, then the futures completed."""
+        done = []
         for index, start, numel in spans:
             if index in self.collected:
                 continue  # a bucket of the new layout: the old engine carried zeros for it
@@ -195,13 +199,18 @@ class IMergeHookState:
             if entry is None:
                 continue  # already averaged through the old engine (carried as zeros here)
             buffer, future = entry
+            if error is None:
+                buffer.reshape(-1).copy_(result[start:start + numel], non_blocking=True)
+                if buffer.device.type == "cuda":
+                    buffer.record_stream(torch.cuda.current_stream(buffer.device))
+            done.append((buffer, future))
+        if error is None:
+            group.copies_out_queued()
+        for buffer, future in done:
             if error is not None:
                 future.set_exception(error)
-                continue
-            buffer.reshape(-1).copy_(result[start:start + numel], non_blocking=True)
-            if buffer.device.type == "cuda":
-                buffer.record_stream(torch.cuda.current_stream(buffer.device))
-            future.set_result(buffer)
+            else:
+                future.set_result(buffer)
 
     # ------------------------------------------------------------------ iteration boundaries
     def _end_iteration(self) -> None:

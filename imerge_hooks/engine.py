@@ -332,6 +332,7 @@ class GradientEngine:
                                 f"{'sparse ' if grad.is_sparse else ''}{grad.dtype}, expected dense {view.dtype}")
             view.copy_(grad)
             param.grad = view
+        self.groups[self.group_of[i]].note_producer()
         self.gradient_ready(i)
 
     def _converted(self, i: int) -> IMergeUsageError:
@@ -348,7 +349,10 @@ class GradientEngine:
         """Tensor ``i``'s gradient arrives as a tensor (the DDP hook's bucket): copy it in, count it."""
         if self.backward_started is None:
             self.backward_started = time.monotonic()
+        group = self.groups[self.group_of[i]]
+        group.before_write()
         self.views[i].copy_(gradient.reshape(self.views[i].shape))
+        group.note_producer()
         self.gradient_ready(i)
 
     def gradient_ready(self, i: int) -> None:

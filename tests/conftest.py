@@ -87,11 +87,12 @@ def planned_job(tmp_path_factory) -> Job:
 def loop_job(tmp_path_factory) -> dict:
     """2 workers + 1 server, one launch: the code users write around the loop (``scripts/around_loop.py``),
     then the cases that once trained wrong silently (``silent_cases.py``), the optimizer's lifecycle
-    (``lifecycle.py``) and a finished group's release (``comm_release.py``).
+    (``lifecycle.py``), a finished group's release (``comm_release.py``) and the comm thread's readiness
+    (``device_readiness.py``).
     Returns each script's output pattern by name, and the run as "run"."""
     tmp = tmp_path_factory.mktemp("loop")
     outs = {name: str(tmp / f"{name}-{{case}}.pt") for name in ("around_loop", "silent_cases", "lifecycle")}
-    then = [f"{name}={outs[name]}" for name in ("silent_cases", "lifecycle")] + ["comm_release"]
+    then = [f"{name}={outs[name]}" for name in ("silent_cases", "lifecycle")] + ["comm_release", "device_readiness"]
     env = {**cost_model_env(), "IMERGE_LOG_LEVEL": "info"}
     run = run_mpi(SCRIPTS / "around_loop.py", 3, outs["around_loop"], *then, servers=1, timeout=300, env=env).check()
     return {**outs, "run": run}

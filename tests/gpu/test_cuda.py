@@ -53,6 +53,19 @@ def test_every_front_end_and_schedule_on_one_shared_gpu(tmp_path):
     assert peak_late <= allocated_50 + 4 * 2**20, memory
 
 
+def test_the_comm_thread_is_never_parked_on_a_device_event(tmp_path):
+    """A group submitted first but written late (a long kernel before its gradients) does not hold up
+    the groups after it: their results arrive while the GPU still runs that kernel, including gradients
+    written on a side stream (readiness is recorded on every producing stream), and training matches
+    single-process training. A flag read waits for its own copy, not for the busy copy stream."""
+    run = run_mpi(SCRIPT, 3, str(tmp_path), "--checks", "parked", servers=1, timeout=300, env=ENV).check()
+    for rank in (0, 1):
+        parked = json.loads(run.lines(rank, "PARKED")[0])
+        assert all(n >= 1 for n in parked["early"][1:]), parked  # step 0 may still be setting up
+        assert parked["read"] == 7.0 and parked["copy_stream_busy_after_read"], parked
+    assert results(run)["parked:wfbp"] <= TOL, run.stdout[-3000:]
+
+
 def test_one_worker_per_host(tmp_path):
     """No host aggregation: each worker pushes its own keys (directly from device memory where the MPI
     is CUDA-aware, else through pinned staging)."""

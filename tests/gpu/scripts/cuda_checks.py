@@ -1,12 +1,12 @@
 """The GPU checks, several per launch (a CUDA start-up costs seconds per rank).
 
-Usage: python cuda_checks.py OUTDIR --checks optimizer,ddp-hook,lightning,stale,memory
+Usage: python cuda_checks.py OUTDIR --checks optimizer,ddp-hook,lightning,stale,memory,parked
        [--schedules default,wfbp,...] [--device cuda|cpu]
 
 Workers train on their bound GPU (``init()`` binds worker r of a host to its local rank; the
 tests let workers share one GPU). Worker 0 trains the same model single-process on the full
 batch on the same device and prints ``RESULT <check> <max |difference|>``; other lines:
-``MEMORY``, ``READY``. The overlap check is ``tests/scripts/overlap_order.py --device cuda``.
+``MEMORY``, ``READY``, ``PARKED``. The overlap check is ``tests/scripts/overlap_order.py --device cuda``.
 ``--device cpu`` runs the same checks on CPU (to try the script without a GPU).
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 from torch import nn
@@ -216,8 +217,109 @@ def check_memory() -> None:
     say("MEMORY", json.dumps({str(k): v for k, v in marks.items()}))
 
 
+class SlowOutput(torch.autograd.Function):
+    """Identity whose backward first runs a long kernel on the current stream and records the event after
+    it (``SLOW_DONE``): the gradients behind it land only when the GPU gets past it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if grad.is_cuda:
+            torch.cuda._sleep(1_000_000_000)  # about a second of GPU time
+            event = torch.cuda.Event()
+            event.record()
+            SLOW_DONE.append(event)
+        return grad * 1.0
+
+
+SLOW_DONE: list = []
+
+
+class TwoStreams(nn.Module):
+    """``fc_b`` runs on a side stream (autograd runs its backward there too), ``fc_a`` after it on the
+    current stream with a long kernel before its gradients. ``fc_a``'s backward nodes are the later
+    ones, so its hooks run (and its groups are submitted) first; ``fc_b``'s gradients are written long
+    before ``fc_a``'s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_b = nn.Linear(16, 10)
+        self.fc_a = nn.Linear(16, 10)
+        self.side = torch.cuda.Stream() if device.type == "cuda" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.side is None:
+            b = self.fc_b(x)
+        else:
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                b = self.fc_b(x)
+            torch.cuda.current_stream().wait_stream(self.side)
+            b.record_stream(torch.cuda.current_stream())
+        return b + SlowOutput.apply(self.fc_a(x))
+
+
+def check_parked() -> None:
+    """The comm thread is never parked on a device event: while the GPU runs the long kernel before
+    ``fc_a``'s gradients, ``fc_b``'s groups (submitted after ``fc_a``'s, written on a side stream) are
+    pushed and their results arrive; the trained parameters match single-process training (nothing
+    read before it was written, on either stream). Then a flag read (``DeviceStreams.read_scalar``)
+    returns while the copy stream is still busy."""
+    from imerge_hooks import streams
+
+    torch.manual_seed(1234)
+    model = TwoStreams().to(device)
+    torch.manual_seed(1234)
+    ref = TwoStreams().to(device)
+    ref.load_state_dict(model.state_dict())
+    opt = imh.DistributedOptimizer(optimizer(model.parameters()), named_parameters=model.named_parameters(),
+                                   schedule="wfbp")
+    ref_opt = optimizer(ref.parameters())
+    engine = opt._imerge_engine
+    early = []  # per step: how many groups completed before the GPU got past the long kernel
+    for step in range(args.steps):
+        g = torch.Generator().manual_seed(2000 + step)
+        x, y = torch.randn(FULL_BATCH, 16, generator=g).to(device), torch.randint(0, 10, (FULL_BATCH,), generator=g)
+        opt.zero_grad()
+        SLOW_DONE.clear()
+        nn.functional.cross_entropy(model(shard(x)), shard(y)).backward()
+        done_first = 0
+        if SLOW_DONE:
+            deadline = time.monotonic() + 30
+            while not SLOW_DONE[0].query() and time.monotonic() < deadline:
+                done_first = sum(group.done.is_set() for group in engine.groups)
+                time.sleep(0.001)
+        early.append(done_first)
+        opt.step()
+        if rank == 0:
+            ref_opt.zero_grad()
+            nn.functional.cross_entropy(ref(x), y).backward()
+            ref_opt.step()
+    opt.synchronize()
+    result = {"early": early, "groups": len(engine.groups)}
+    engine.close()
+    if device.type == "cuda":
+        ops = streams.for_device(device)
+        value = torch.full((4,), 7.0, device=device)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(streams.copy_stream(device)):
+            torch.cuda._sleep(1_000_000_000)
+        start = time.monotonic()
+        result["read"] = ops.read_scalar(value, 2)
+        result["read_s"] = time.monotonic() - start
+        result["copy_stream_busy_after_read"] = not streams.copy_stream(device).query()
+        torch.cuda.synchronize()
+    say("PARKED", json.dumps(result))
+    if rank == 0:
+        got, want = model.state_dict(), ref.state_dict()
+        say("RESULT", "parked:wfbp", max((got[k] - want[k]).abs().max().item() for k in want))
+
+
 CHECKS = {"optimizer": check_optimizer, "stale": check_stale, "ddp-hook": check_ddp_hook,
-          "lightning": check_lightning, "memory": check_memory}
+          "lightning": check_lightning, "memory": check_memory, "parked": check_parked}
 for name in args.checks.split(","):
     CHECKS[name]()
 say("DONE", os.environ.get("IMERGE_HOST", ""))
