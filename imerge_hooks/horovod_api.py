@@ -1,13 +1,24 @@
 """Horovod's ``horovod.torch`` tensor API over the workers: ``import imerge_hooks as hvd``.
 
-The collectives run over ``topology().worker_comm`` (workers only; the parameter servers never
-see them), moving tensors through host memory: CPU tensors as numpy views, CUDA tensors staged
-through ``.cpu()`` and copied back to their device. Each op first agrees on every worker's
-shapes, dtypes and arguments with a deadline collective (``collectives.collective``), so a
-missing worker is named instead of waited for and a mismatch raises on every worker with the
-worker and tensor it concerns (a worker in another op or name: IMergeMismatchError naming both
-calls); then the data moves by a non-blocking MPI collective polled with back-off until
-``timeout_s``.
+The collectives run over the workers only (the parameter servers never see them). Each op first
+agrees on every worker's shapes, dtypes and arguments with a deadline collective over
+``topology().worker_comm`` (``collectives.collective``), so a missing worker is named instead of
+waited for and a mismatch raises on every worker with the worker and tensor it concerns (a worker
+in another op or name: IMergeMismatchError naming both calls). Then the data moves:
+
+* on the device, where every worker offered it in the agreement: all of the op's tensors are CUDA
+  tensors on the worker's GPU and the workers' torch.distributed group (``worker_group()``) exists
+  and runs NCCL (``device_collectives.device_group``; reductions also need a dtype NCCL reduces,
+  not int16). torch.distributed's collective on that group moves it GPU to GPU, in the tensors'
+  own dtype (16-bit floats are reduced natively), bounded by the group's timeout (``timeout_s``
+  where ``worker_group()`` created it) instead of IMerge's polling;
+* else through host memory, by a non-blocking MPI collective over ``worker_comm`` polled with
+  back-off until ``timeout_s``: CPU tensors as numpy views, CUDA tensors staged through ``.cpu()``
+  and copied back to their device; 16-bit floats are reduced in float32. So do all ops while a
+  worker waits in ``join()``: it answers over MPI.
+
+Either way the semantics are the same (ops, factors, truncated integer averages, results in the
+input's dtype and on its device, autograd, in-place variants).
 
 A caught error leaves the workers in step (``_agreed``): an error a worker finds in its own
 arguments is sent in the agreement, so every worker raises it; while a worker waits in ``join()``
@@ -32,7 +43,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import collectives, session
+from . import collectives, device_collectives, session
 from ._mpi import MPI
 from .errors import (
     IMergeArgumentError,
@@ -199,6 +210,28 @@ def _wait(requests: list[Any], what: str) -> None:
     _moving = None
 
 
+def _device_route(group: Any, metas: Sequence[dict[str, Any] | None]) -> Any:
+    """The group the agreed op's data moves on without the host: this worker's offer
+    (``device_collectives.device_group``) where every worker offered one (the metas' ``device``), else
+    None (MPI). A worker waiting in ``join()`` (its meta is None) answers over MPI: then MPI it is."""
+    if group is None or not all(meta is not None and meta.get("device") for meta in metas):
+        return None
+    return group
+
+
+def _moved() -> None:
+    """The op's data moved on the device path (as ``_wait`` says for MPI): no one waits for this worker's data."""
+    global _moving
+    _moving = None
+
+
+def _device_send(tensor: torch.Tensor, prescale: float) -> torch.Tensor:
+    """``tensor`` times ``prescale`` on its device, in its dtype: a contiguous copy a collective may overwrite."""
+    if prescale == 1.0:
+        return tensor.detach().clone(memory_format=torch.contiguous_format)
+    return _scale(tensor.detach(), prescale).contiguous()
+
+
 def _host(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` on the host and contiguous (itself when it already is)."""
     return tensor.detach().to("cpu").contiguous()
@@ -255,8 +288,15 @@ def _reduced(kind: str, tensors: Sequence[torch.Tensor], name: str | None, op: R
     if problem is None and op in (ReduceOp.Average, ReduceOp.Sum):
         joined = collectives.ZerosPart(meta, _MPI_OPS[op], tuple((tuple(t.shape), _numpy_dtype(t.dtype))
                                                                  for t in tensors))
-    label, _ = _agree(kind, name, meta, ("shapes", "dtypes", "op"), problem, joined)
+    group = device_collectives.device_group(tensors, reduce=True) if problem is None else None
+    label, metas = _agree(kind, name, {**meta, "device": group is not None}, ("shapes", "dtypes", "op"), problem,
+                          joined)
     comm = _topology().worker_comm
+    if (group := _device_route(group, metas)) is not None:
+        buffers = [_device_send(t, prescale) for t in tensors]
+        device_collectives.allreduce(buffers, op, group)
+        _moved()
+        return [_finish(b, op, comm.Get_size(), postscale, t) for b, t in zip(buffers, tensors)]
     mpi_op = getattr(MPI, _MPI_OPS[op])
     sends = [_scale(_host(t).to(_compute_dtype(t.dtype)), prescale).contiguous() for t in tensors]
     recvs = [torch.empty_like(s) for s in sends]
@@ -295,7 +335,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
     """``tensor`` reduced over every worker (default: averaged); the input is not modified.
 
-    Differentiable like Horovod's. 16-bit floats are reduced in float32; integer averages are truncated.
+    Differentiable like Horovod's. 16-bit floats are reduced in float32 (natively on the NCCL path); integer
+    averages are truncated.
     """
     check_process_set(process_set, "allreduce")
     op = resolve_op(op, average, "allreduce")
@@ -414,7 +455,13 @@ def _gathered_many(kind: str, tensors: Sequence[torch.Tensor], name: str | None)
     flats = [t.reshape(1) if t.dim() == 0 else t for t in tensors] if problem is None else []
     meta = {"rows": [f.shape[0] for f in flats], "shapes after dim 0": [tuple(f.shape[1:]) for f in flats],
             "dtypes": [str(f.dtype) for f in flats]}
-    label, metas = _agree(kind, name, meta, ("shapes after dim 0", "dtypes"), problem)
+    group = device_collectives.device_group(flats) if problem is None else None
+    label, metas = _agree(kind, name, {**meta, "device": group is not None}, ("shapes after dim 0", "dtypes"), problem)
+    if (group := _device_route(group, metas)) is not None:
+        outs = [device_collectives.allgather(flat, [m["rows"][i] for m in metas], group)
+                for i, flat in enumerate(flats)]
+        _moved()
+        return outs
     comm = _topology().worker_comm
     outs, requests = [], []
     for i, flat in enumerate(flats):
@@ -545,8 +592,17 @@ def _broadcasted(tensor: torch.Tensor, root_rank: int, name: str | None) -> torc
     topo = _topology()
     problem = _not_a_tensor(tensor) or collectives.root_problem(root_rank, topo.num_workers)
     shape, dtype = _describe(tensor) if _not_a_tensor(tensor) is None else ((), "")
-    label, _ = _agree("broadcast", name, {"shape": shape, "dtype": dtype, "root_rank": root_rank},
-                      ("root_rank", "shape", "dtype"), problem)
+    group = device_collectives.device_group([tensor]) if problem is None else None
+    label, metas = _agree("broadcast", name, {"shape": shape, "dtype": dtype, "root_rank": root_rank,
+                                              "device": group is not None}, ("root_rank", "shape", "dtype"), problem)
+    if (group := _device_route(group, metas)) is not None:
+        if topo.worker_rank == root_rank:
+            buffer = tensor.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        device_collectives.broadcast(buffer, root_rank, group)
+        _moved()
+        return buffer
     if topo.worker_rank == root_rank:
         buffer = _host(tensor).clone()
     else:
@@ -635,8 +691,13 @@ def _exchanged(tensor: torch.Tensor, splits: Any, name: str | None) -> tuple[tor
     rows, bad = ([0] * topo.num_workers, problem) if problem else _split_rows(tensor, splits, topo.num_workers)
     meta = {"splits": rows, "shape after dim 0": tuple(tensor.shape[1:]) if not problem else (),
             "dtype": str(tensor.dtype) if not problem else ""}
-    label, metas = _agree("alltoall", name, meta, ("shape after dim 0", "dtype"), bad)
+    group = device_collectives.device_group([tensor]) if bad is None else None
+    label, metas = _agree("alltoall", name, {**meta, "device": group is not None}, ("shape after dim 0", "dtype"), bad)
     received = [m["splits"][topo.worker_rank] for m in metas]
+    if (group := _device_route(group, metas)) is not None:
+        out = device_collectives.alltoall(tensor.detach(), rows, received, group)
+        _moved()
+        return out, received
     row_bytes = _row_bytes(tensor)
     out = torch.empty((sum(received), *tensor.shape[1:]), dtype=tensor.dtype)
     send_counts = [r * row_bytes for r in rows]
@@ -709,8 +770,14 @@ def _scattered(kind: str, tensors: Sequence[torch.Tensor], name: str | None, op:
     ok = problem is None
     meta = {"shapes": [_describe(t)[0] for t in tensors] if ok else [],
             "dtypes": [_describe(t)[1] for t in tensors] if ok else [], "op": op.name}
-    label, _ = _agree(kind, name, meta, ("shapes", "dtypes", "op"), problem)
+    group = device_collectives.device_group(tensors, reduce=True) if ok else None
+    label, metas = _agree(kind, name, {**meta, "device": group is not None}, ("shapes", "dtypes", "op"), problem)
     topo = _topology()
+    if (group := _device_route(group, metas)) is not None:
+        parts = [device_collectives.reducescatter(_device_send(t, prescale), scatter_rows(t.shape[0], topo.num_workers),
+                                                  topo.worker_rank, op, group) for t in tensors]
+        _moved()
+        return [_finish(part, op, topo.num_workers, postscale, t) for part, t in zip(parts, tensors)]
     recvs, requests = [], []
     for tensor in tensors:
         rows = scatter_rows(tensor.shape[0], topo.num_workers)

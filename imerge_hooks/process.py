@@ -136,9 +136,15 @@ def gloo_built() -> bool:
     return False
 
 
-def nccl_built() -> bool:
-    """False: IMerge's collectives never use NCCL (tensors go through host memory over MPI)."""
-    return False
+def nccl_built() -> int:
+    """NCCL's version code where this torch has NCCL and a GPU (the tensor collectives then move CUDA
+    tensors over the workers' NCCL group, ``device_collectives``), else 0; as Horovod's, truthy iff built with it."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()
+    return major * 1000 + minor * 100 + patch
 
 
 def ddl_built() -> bool:
