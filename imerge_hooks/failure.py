@@ -12,18 +12,29 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 from ._mpi import MPI
 
-if TYPE_CHECKING:
-    from .topology import Topology
+
+class Identity(Protocol):
+    """What names this rank in messages (a ``Topology`` has it; failing fast needs no more of it)."""
+
+    @property
+    def is_server(self) -> bool: ...
+    @property
+    def server_index(self) -> int: ...
+    @property
+    def worker_rank(self) -> int: ...
+    @property
+    def world_rank(self) -> int: ...
+
 
 log = logging.getLogger("imerge")
 
 ABORT_FORWARD_S = 0.5  # time for the process manager to forward the last words before MPI_Abort
 
-_topology: Topology | None = None
+_topology: Identity | None = None
 _fatal_error: BaseException | None = None
 
 
@@ -40,7 +51,7 @@ def fatal_error() -> BaseException | None:
     return _fatal_error
 
 
-def set_identity(topology: Topology) -> None:
+def set_identity(topology: Identity) -> None:
     """This rank's role, for every message that names it."""
     global _topology
     _topology = topology
