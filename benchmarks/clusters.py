@@ -167,7 +167,7 @@ def launch(cell_id: str, model: str, args, aggregate: bool, timeline: str | None
     if rc != 0:
         print(f"   !! {tag}: exit code {rc}; see {logs / f'{tag}.stderr'}", file=sys.stderr)
     if timeline is not None:
-        from imerge_hooks.timeline_report import format_report, report
+        from imerge_hooks.tools.timeline_report import format_report, report
 
         print(format_report(report(timeline)))
         return []

@@ -76,7 +76,7 @@ def run_cell(name: str, batch: int, warmup: int, iters: int, on: str = "cuda") -
         opt = imh.DistributedOptimizer(base, named_parameters=model.named_parameters(), schedule=schedule,
                                        profile_steps=max(1, warmup // 2))
         imh.broadcast_parameters(model.state_dict(), root_rank=0)
-        report["cuda_aware_mpi"] = imh.devices.mpi_reads_device()
+        report["cuda_aware_mpi"] = imh.cluster.devices.mpi_reads_device()
         net = model
     elif name.startswith("ddp-"):
         net = nn.parallel.DistributedDataParallel(model)

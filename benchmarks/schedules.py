@@ -60,7 +60,7 @@ EXAMPLE = REPO / "examples" / "resnet_synthetic.py"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "schedules.json"
 DEFAULT_CACHE = REPO / "benchmarks" / "results" / "cache"
 WORKERS = 2
-# Same order as imerge_hooks.config.SCHEDULES; kept here so --help works without importing torch.
+# Same order as imerge_hooks.core.config.SCHEDULES; kept here so --help works without importing torch.
 ALL_SCHEDULES = ("default", "wfbp", "priority", "threshold", "mgwfbp", "adaptive-ps", "imerge")
 PLANNED = ("threshold", "mgwfbp", "adaptive-ps", "imerge")  # use the cost model
 COST_MODEL_TEMPLATE = "schedules-psmodel-{workers}w-{servers}s-{hosts}.json"

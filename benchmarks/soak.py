@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import imerge_hooks as imh  # noqa: E402
 from benchmarks.replay import ReplayModel  # noqa: E402
-from imerge_hooks.internals import server_stages, session  # noqa: E402
+from imerge_hooks.internals import session, stages  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -44,9 +44,9 @@ def main() -> None:
     imh.init(serve="stage")
     topo = session.topology()
     if topo.is_server:
-        server_stages.serve_stage()  # training stage
+        stages.serve_stage()  # training stage
         first = rss_mb()
-        server_stages.serve_until_shutdown()
+        stages.serve_until_shutdown()
         Path(args.out + f".server{topo.server_index}").write_text(json.dumps({"after_warmup_mb": first,
                                                                              "end_mb": rss_mb()}))
         return
@@ -62,7 +62,7 @@ def main() -> None:
         opt.step()
         if it == args.warmup:
             warm = rss_mb()
-            server_stages.end_stage()  # lets the servers sample their memory after warm-up too
+            stages.end_stage()  # lets the servers sample their memory after warm-up too
         if it % 100 == 0:
             samples.append((it, rss_mb()))
             if imh.rank() == 0:

@@ -4,7 +4,7 @@
 
 Launches ``--ranks`` ranks (the last ``--servers`` of them servers) under ``mpiexec`` and, on every
 worker, times: ``init()``; building a ``DistributedOptimizer`` over a small model (its key
-registration with every server); ``handoff.from_worker0`` of a plan-sized object (the plan
+registration with every server); ``messages.from_worker0`` of a plan-sized object (the plan
 hand-off); ``broadcast_parameters`` of ``--mb`` MB of float32 tensors; ``broadcast_object`` of a
 small object; a barrier (one collective's round trip through the tree). Prints a table of the
 slowest worker's time per step and writes the JSON. ``--inside`` is what each rank runs.
@@ -29,7 +29,7 @@ def inside(mb: float) -> None:
     import torch
 
     import imerge_hooks as imh
-    from imerge_hooks.internals import collectives, handoff, session
+    from imerge_hooks.internals import collectives, messages, session
 
     imported = time.perf_counter()
     imh.init()
@@ -52,7 +52,7 @@ def inside(mb: float) -> None:
 
     timed("register", register)
     plan = [[i] for i in range(2000)] if rank == 0 else None
-    timed("handoff", lambda: handoff.from_worker0(plan, "a plan"))
+    timed("handoff", lambda: messages.from_worker0(plan, "a plan"))
     count = max(1, int(mb * 2**20 / 4 / 2**20))
     tensors = {f"t{i}": torch.full((2**20,), float(rank)) for i in range(count)}
     timed("broadcast_parameters", lambda: imh.broadcast_parameters(tensors, root_rank=0))

@@ -14,7 +14,7 @@ if str(REPO) not in sys.path:  # run as a script
     sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import machine_info  # noqa: E402
-from imerge_hooks.transport_check import main  # noqa: E402
+from imerge_hooks.tools.transport_check import main  # noqa: E402
 
 DEFAULT_JSON = REPO / "benchmarks" / "results" / "transport.json"
 

@@ -158,7 +158,7 @@ def main() -> None:
     if trainer.is_global_zero:  # False on IMerge's server ranks too
         schedule = "-"
         if args.strategy == "imerge":
-            from imerge_hooks import session
+            from imerge_hooks.cluster import session
 
             schedule = args.schedule or session.config().schedule
         print(f"RESULT strategy={args.strategy} schedule={schedule} workers={trainer.world_size} "

@@ -13,9 +13,10 @@ docs/compatibility.md)::
 
 from __future__ import annotations
 
-from .config import SCHEDULES, Config
-from .ddp import IMergeHookState, ps_hook
-from .errors import (
+from .cluster.startup import shutdown
+from .cluster.torch_world import worker_group
+from .core.config import SCHEDULES, Config
+from .core.errors import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
     IMergeArgumentError,
@@ -26,7 +27,10 @@ from .errors import (
     IMergeTimeoutError,
     IMergeUsageError,
 )
-from .horovod_api import (
+from .core.layout import Compression, Compressor, compression_name
+from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .frontends.ddp import IMergeHookState, ps_hook
+from .frontends.horovod_api import (
     allgather,
     allgather_async,
     allgather_object,
@@ -55,18 +59,8 @@ from .horovod_api import (
     sparse_allreduce_async,
     synchronize,
 )
-from .layout import Compression, Compressor, compression_name
-from .ops import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
-)
-from .optimizer import DistributedOptimizer
-from .process import (
+from .frontends.optimizer import DistributedOptimizer
+from .frontends.process_api import (
     add_process_set,
     ccl_built,
     cross_rank,
@@ -95,9 +89,7 @@ from .process import (
     start_timeline,
     stop_timeline,
 )
-from .runtime import shutdown
-from .state_broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .torch_world import worker_group
+from .frontends.state_broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
 

@@ -1,24 +1,25 @@
 """The one seam through which the benchmark lab (``benchmarks/``) reaches IMerge's internals.
 
 The lab (the emulated cluster, the replayed models, the runner) otherwise uses only the public
-API: ``imerge_hooks`` itself, ``imerge_hooks.simulate``, ``imerge_hooks.timeline_report`` and
-``imerge_hooks.transport_check``. What it needs beyond that is named here, and only here
+API: ``imerge_hooks`` itself, ``imerge_hooks.simulate``, ``imerge_hooks.tools.timeline_report`` and
+``imerge_hooks.tools.transport_check``. What it needs beyond that is named here, and only here
 (``tests/test_import_graph.py`` checks it), so a change to one of these internals shows which
 lab code it touches. None of it is a stable API: any release may change it.
 """
 
-from . import collectives, handoff, server_stages, session
-from ._mpi import MPI
-from .config import SCHEDULE_TRAITS, parse_value
-from .gates import AccessGuard
-from .layout import link_bytes
+from .cluster import collectives, messages, session
+from .core._mpi import MPI
+from .core.config import SCHEDULE_TRAITS, parse_value
+from .core.layout import link_bytes
+from .core.polling import Backoff
 from .plan import calibrate
 from .plan.choice import choose_plan, cluster_for, model_spec_from_profile
 from .plan.costmodel import LinearModel, PSModel, extend_table, planner_model
 from .plan.planner import plan as plan_groups
 from .plan.search import SearchBudgetSpent
-from .polling import Backoff
-from .schedule import SchedulePolicy
+from .server import stages
+from .worker.gates import AccessGuard
+from .worker.schedule import SchedulePolicy
 
 __all__ = [
     "MPI",  # mpi4py's MPI, imported without starting MPI (init() starts it with thread support)
@@ -28,5 +29,5 @@ __all__ = [
     "calibrate", "LinearModel", "PSModel", "extend_table", "planner_model",  # the cost models
     "choose_plan", "cluster_for", "model_spec_from_profile", "plan_groups", "SearchBudgetSpent",  # plan choice
     "Backoff",  # polled waits that do not spin a shared core
-    "session", "collectives", "handoff", "server_stages",  # a started process: topology, waits, stages
+    "session", "collectives", "messages", "stages",  # a started process: topology, waits, server stages
 ]

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from imerge_hooks import session, torch_world
-from imerge_hooks._mpi import MPI, ensure_initialized
-from imerge_hooks.topology import Topology
+from imerge_hooks.cluster import session, torch_world
+from imerge_hooks.cluster.topology import Topology
+from imerge_hooks.core._mpi import MPI, ensure_initialized
 
 from ._lightning import ClusterEnvironment
 from .serving import start as start_imerge

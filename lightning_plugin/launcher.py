@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from imerge_hooks import collectives, server_stages, session
+from imerge_hooks.cluster import collectives, session
+from imerge_hooks.server import stages
 
 from ._lightning import TrainerStatus, _Launcher
 from .serving import serve_stage
@@ -57,7 +58,7 @@ class IMergeLauncher(_Launcher):
             _end_stage_after_error()
             raise
         self.in_stage = False
-        server_stages.end_stage(pack_result(result, trainer) if session.topology().worker_rank == 0 else None)
+        stages.end_stage(pack_result(result, trainer) if session.topology().worker_rank == 0 else None)
         _wait_for_all_workers()
         return result
 
@@ -103,7 +104,7 @@ def _serve(trainer: Any) -> Any:
 
 def _end_stage_after_error() -> None:
     try:
-        server_stages.end_stage()
+        stages.end_stage()
     except Exception:  # the stage failed already (comm thread down, server gone): keep the first error
         log.exception("IMerge worker: could not tell the servers that the failed stage ended")
 

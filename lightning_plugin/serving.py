@@ -17,8 +17,9 @@ import sys
 from typing import Any
 
 import imerge_hooks
-from imerge_hooks import server_stages, session
-from imerge_hooks.failure import fatal_error, whoami
+from imerge_hooks.cluster import session
+from imerge_hooks.cluster.failure import fatal_error, whoami
+from imerge_hooks.server import stages
 
 log = logging.getLogger("imerge")
 
@@ -42,8 +43,8 @@ def serve_stage() -> bytes | None:
     global _workers_gone
     if _workers_gone:
         return None
-    _workers_gone = server_stages.serve_stage() == "shutdown"
-    return None if _workers_gone else server_stages.stage_result()
+    _workers_gone = stages.serve_stage() == "shutdown"
+    return None if _workers_gone else stages.stage_result()
 
 
 def serve_at_exit() -> None:

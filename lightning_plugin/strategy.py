@@ -32,10 +32,10 @@ from torch import Tensor
 from typing_extensions import override
 
 import imerge_hooks
-from imerge_hooks import session
-from imerge_hooks.config import PROCESS_OPTIONS, Config, given
-from imerge_hooks.devices import gpu_index
-from imerge_hooks.errors import IMergeConfigError
+from imerge_hooks.cluster import session
+from imerge_hooks.cluster.devices import gpu_index
+from imerge_hooks.core.config import PROCESS_OPTIONS, Config, given
+from imerge_hooks.core.errors import IMergeConfigError
 
 from ._lightning import (
     LightningOptimizer,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from imerge_hooks.aggregate import KeyAggregate
-from imerge_hooks.wire import KeySpec
+from imerge_hooks.core.wire import KeySpec
+from imerge_hooks.server.aggregate import KeyAggregate
 
 
 def push(agg: KeyAggregate, source: int, values, round_number: int = 0) -> None:

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from imerge_hooks.config import Config
+from imerge_hooks.core.config import Config
 from imerge_hooks.plan import calibrate
 from imerge_hooks.plan.calibrate import CACHE_MAX_AGE_DAYS, cache_path, cache_problem
 from imerge_hooks.plan.costmodel import PSModel

@@ -3,9 +3,9 @@ rule: an explicit argument > its IMERGE_* env var > the default."""
 
 import pytest
 
-from imerge_hooks import session
-from imerge_hooks.config import PROCESS_OPTIONS, Config
-from imerge_hooks.errors import IMergeConfigError
+from imerge_hooks.cluster import session
+from imerge_hooks.core.config import PROCESS_OPTIONS, Config
+from imerge_hooks.core.errors import IMergeConfigError
 
 
 @pytest.fixture

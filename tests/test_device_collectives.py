@@ -1,4 +1,4 @@
-"""The tensor collectives' device path (``imerge_hooks.device_collectives``): which ops take it, and its
+"""The tensor collectives' device path (``imerge_hooks.frontends.device_collectives``): which ops take it, and its
 numerics against the MPI path's.
 
 CUDA is not needed: ``scripts/device_path.py`` drives the device path's torch.distributed calls with
@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from mpirun import run_mpi
 
-from imerge_hooks import device_collectives, horovod_api, session
+from imerge_hooks.cluster import session
+from imerge_hooks.frontends import device_collectives, horovod_api
 
 SCRIPT = Path(__file__).parent / "scripts" / "device_path.py"
 

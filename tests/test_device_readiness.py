@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from fake_device import FakeDevice  # noqa: E402
 
-from imerge_hooks import ddp  # noqa: E402
-from imerge_hooks.group import Group  # noqa: E402
-from imerge_hooks.wire import KeySpec  # noqa: E402
+from imerge_hooks.core.wire import KeySpec  # noqa: E402
+from imerge_hooks.frontends import ddp  # noqa: E402
+from imerge_hooks.worker.group import Group  # noqa: E402
 
 
 def device_group(device: FakeDevice, staging: bool = False, result_device: str = "cpu") -> Group:

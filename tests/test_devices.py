@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from imerge_hooks import devices
-from imerge_hooks.errors import IMergeConfigError
-from imerge_hooks.placement import check_layout
-from imerge_hooks.topology import Topology
+from imerge_hooks.cluster import devices
+from imerge_hooks.cluster.rank_layout import check_layout
+from imerge_hooks.cluster.topology import Topology
+from imerge_hooks.core.errors import IMergeConfigError
 
 
 def topology(rank: int, hosts: list[str], servers: int, gpus: int) -> Topology:
@@ -52,7 +52,7 @@ def test_nccl_only_where_no_two_workers_share_a_gpu(monkeypatch):
 
 def test_cuda_aware_query_reads_the_loaded_mpi_library(monkeypatch):
     # In a child: loading MPI in this process would change what other tests see (test_key_ids).
-    probe = ("from mpi4py import MPI; from imerge_hooks import devices; "
+    probe = ("from mpi4py import MPI; from imerge_hooks.cluster import devices; "
              "print(devices._loaded_mpi_libraries(), devices._query_cuda_support())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     libraries, supported = out.stdout.rsplit(" ", 1)

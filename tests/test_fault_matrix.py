@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from mpirun import left_over, run_mpi
 
-from imerge_hooks.aggregate import KeyAggregate
-from imerge_hooks.server import CLOCK_JUMP_S, Server, _KeyState, _Receive
-from imerge_hooks.wire import KeySpec
+from imerge_hooks.core.wire import KeySpec
+from imerge_hooks.server.aggregate import KeyAggregate
+from imerge_hooks.server.loop import CLOCK_JUMP_S, Server, _KeyState, _Receive
 
 SCRIPT = Path(__file__).parent / "scripts" / "kill_rank.py"
 

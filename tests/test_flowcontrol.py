@@ -1,9 +1,9 @@
-"""Credit and tail credit (imerge_hooks.schedule): what a worker pushes next."""
+"""Credit and tail credit (imerge_hooks.worker.schedule): what a worker pushes next."""
 
 from __future__ import annotations
 
-from imerge_hooks.config import Config
-from imerge_hooks.schedule import Credit, Flow, Flows, ReadyQueue, SchedulePolicy, tail_start_group, windows
+from imerge_hooks.core.config import Config
+from imerge_hooks.worker.schedule import Credit, Flow, Flows, ReadyQueue, SchedulePolicy, tail_start_group, windows
 
 
 def test_credit_counts_bytes_until_delivery():

@@ -1,4 +1,4 @@
-"""Forward gates (imerge_hooks.gates): where each parameter's deferred update is applied."""
+"""Forward gates (imerge_hooks.worker.gates): where each parameter's deferred update is applied."""
 
 import contextlib
 import copy
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from imerge_hooks.gates import LEARNING_ITERATIONS, AccessGuard, GateLearner
+from imerge_hooks.worker.gates import LEARNING_ITERATIONS, AccessGuard, GateLearner
 
 
 class Parent(nn.Module):

@@ -10,10 +10,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 CHILD = r"""
 import pickle, sys
-from imerge_hooks.config import Config
-from imerge_hooks.ddp import IMergeHookState
-from imerge_hooks.errors import IMergeConfigError
-from imerge_hooks import session
+from imerge_hooks.core.config import Config
+from imerge_hooks.frontends.ddp import IMergeHookState
+from imerge_hooks.core.errors import IMergeConfigError
+from imerge_hooks.cluster import session
 
 state = IMergeHookState.__new__(IMergeHookState)
 state.__dict__["cfg"] = Config(schedule="priority")

@@ -13,9 +13,9 @@ import torch
 from mpirun import run_mpi
 
 import imerge_hooks as hvd
-from imerge_hooks import horovod_api
-from imerge_hooks.errors import IMergeConfigError
-from imerge_hooks.layout import compression_name
+from imerge_hooks.core.errors import IMergeConfigError
+from imerge_hooks.core.layout import compression_name
+from imerge_hooks.frontends import horovod_api
 
 SCRIPT = Path(__file__).parent / "scripts" / "horovod_api.py"
 
@@ -148,7 +148,7 @@ def test_distributed_optimizer_refuses_before_starting_mpi(kwargs, match):
 
 def test_horovods_exception_names():
     """Horovod code names these in ``except`` clauses; argument errors are ValueErrors as Horovod's."""
-    from imerge_hooks import errors
+    from imerge_hooks.core import errors
 
     assert hvd.HorovodInternalError is errors.IMergeError
     assert issubclass(hvd.IMergeMismatchError, hvd.HorovodInternalError)
@@ -161,8 +161,8 @@ def test_horovods_exception_names():
 
 
 def test_a_collective_mismatch_names_both_calls():
-    from imerge_hooks import collectives
-    from imerge_hooks.errors import IMergeMismatchError
+    from imerge_hooks.cluster import collectives
+    from imerge_hooks.core.errors import IMergeMismatchError
 
     mine = ("barrier", "barrier()", None)
     collectives._check_same_call(mine, {1: mine, 2: mine}, "worker")  # all alike: nothing raised

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from imerge_hooks.errors import IMergeConfigError
-from imerge_hooks.layout import Placement, key_owner, link_bytes
-from imerge_hooks.placement import check_layout, describe_layout
+from imerge_hooks.cluster.rank_layout import check_layout, describe_layout
+from imerge_hooks.cluster.topology import Topology
+from imerge_hooks.core.errors import IMergeConfigError
+from imerge_hooks.core.layout import Placement, key_owner, link_bytes
 from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
-from imerge_hooks.topology import Topology
 
 MiB = 1 << 20
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from imerge_hooks import key_table
-from imerge_hooks.errors import IMergeConfigError
-from imerge_hooks.wire import KeySpec
+from imerge_hooks.core.errors import IMergeConfigError
+from imerge_hooks.core.wire import KeySpec
+from imerge_hooks.worker import key_table
 
 
 @pytest.fixture
@@ -33,8 +33,8 @@ def test_too_many_keys_are_refused_with_the_reason(small_tag_space):
 
 
 def test_capacity_keeps_every_tag_within_the_standard_tag_bound():
-    from imerge_hooks._mpi import MPI
-    from imerge_hooks.wire import ROUND_TAGS, key_tag
+    from imerge_hooks.core._mpi import MPI
+    from imerge_hooks.core.wire import ROUND_TAGS, key_tag
 
     if MPI.Is_initialized():
         pytest.skip("MPI is initialised in this process: the capacity follows its own MPI_TAG_UB")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from imerge_hooks.layout import SPREAD_MIN_BYTES, Placement, cut_keys
+from imerge_hooks.core.layout import SPREAD_MIN_BYTES, Placement, cut_keys
 
 MiB = 1 << 20
 

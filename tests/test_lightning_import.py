@@ -33,7 +33,8 @@ report["import"] = {"mpi_started": mpi_started(), "registered": "imerge" in Stra
 """
 
 BUILD = PRELUDE + """
-from imerge_hooks import IMergeConfigError, session
+from imerge_hooks import IMergeConfigError
+from imerge_hooks.cluster import session
 
 by_name = StrategyRegistry.get("imerge")
 direct = lightning_plugin.IMergeStrategy(schedule="wfbp")
@@ -53,7 +54,7 @@ print(json.dumps(report))
 TRAINER = PRELUDE + """
 Trainer = __import__(PACKAGE, fromlist=["Trainer"]).Trainer
 trainer = Trainer(strategy="imerge", accelerator="cpu", devices=1, logger=False)
-from imerge_hooks import session
+from imerge_hooks.cluster import session
 
 report["trainer"] = {"strategy": type(trainer.strategy).__name__, "global_zero": trainer.is_global_zero,
                      "imerge_started": session.is_initialized()}

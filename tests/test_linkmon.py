@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.netlab.linkmon import summarize
-from imerge_hooks.timeline_report import rates
+from imerge_hooks.tools.timeline_report import rates
 
 LINK = 100.0  # bytes/s
 

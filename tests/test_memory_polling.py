@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from imerge_hooks import memory, polling
+from imerge_hooks.core import memory, polling
 
 
 def test_arena_carves_aligned_zeroed_buffers_of_mixed_dtypes():
@@ -55,7 +55,7 @@ def test_polling_mode_can_be_forced():
 
 
 def test_bad_polling_mode_is_refused():
-    from imerge_hooks.config import Config
+    from imerge_hooks.core.config import Config
 
     with pytest.raises(ValueError, match="polling"):
         Config(polling="busy")

@@ -21,7 +21,7 @@ def test_a_suite_that_starts_imerge_through_the_optimizer_runs_on_workers_only()
 
 def test_cross_ranks_follow_the_hosts():
     """Hosts a, a, b, b, c (workers) and one server: local ranks 0/1 on a and b, 0 on c."""
-    from imerge_hooks.topology import Topology
+    from imerge_hooks.cluster.topology import Topology
 
     hosts = ("a", "a", "b", "b", "c", "s")
     cross = {}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from imerge_hooks.config import Config
+from imerge_hooks.core.config import Config
 from imerge_hooks.plan.background import BackgroundSearch
 from imerge_hooks.plan.choice import choose_plan
 from imerge_hooks.plan.costmodel import PSModel

@@ -14,12 +14,12 @@ import os
 
 import pytest
 
-from imerge_hooks.config import Config
+from imerge_hooks.core.config import Config
 from imerge_hooks.plan.cache import load_plan, plan_fit, plan_key, plan_path, store_plan
 from imerge_hooks.plan.choice import choose_plan
 from imerge_hooks.plan.costmodel import LinearModel
 from imerge_hooks.plan.planner import Plan
-from imerge_hooks.schedule import tail_group
+from imerge_hooks.worker.schedule import tail_group
 
 # Registration order; the head is float16 and ready first, the embedding is frozen.
 TENSORS = [("fc.weight", 4096, "float32", True), ("fc.bias", 64, "float32", True), ("emb", 800, "float32", False),

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from imerge_hooks.config import Config
+from imerge_hooks.core.config import Config
 from imerge_hooks.plan.choice import choose_plan, cluster_for, model_spec_from_profile, search_plan
 from imerge_hooks.plan.costmodel import LinearModel, PSModel
 from imerge_hooks.plan.planner import plan

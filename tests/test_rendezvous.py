@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from mpirun import kill_job, mpiexec_path, run_mpi
 
-from imerge_hooks import rendezvous
-from imerge_hooks.errors import IMergeConfigError
-from imerge_hooks.rendezvous import Interface, check_address, choose_address, interfaces
+from imerge_hooks.cluster import rendezvous
+from imerge_hooks.cluster.rendezvous import Interface, check_address, choose_address, interfaces
+from imerge_hooks.core.errors import IMergeConfigError
 
 SCRIPT = Path(__file__).parent / "scripts" / "rendezvous.py"
 REPO = Path(__file__).resolve().parent.parent

@@ -178,7 +178,7 @@ def test_alternate_policies_for_an_ab_in_one_plan():
     from types import SimpleNamespace
 
     from benchmarks.worker_replay import _ab_policies
-    from imerge_hooks.schedule import SchedulePolicy
+    from imerge_hooks.worker.schedule import SchedulePolicy
 
     engine = SimpleNamespace(policy=SchedulePolicy(priority=True, stagger=True, credit_bytes=8 << 20))
     a, b = _ab_policies(engine, "tail_credit_bytes=16777216,credit_bytes=none")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from imerge_hooks.config import SCHEDULES
+from imerge_hooks.core.config import SCHEDULES
 from imerge_hooks.simulate import (
     EVENT_KINDS,
     ClusterSpec,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from imerge_hooks.layout import Placement
+from imerge_hooks.core.layout import Placement
 from imerge_hooks.plan.search import FOLD_TOLERANCE, HOST_FOLD_TOLERANCE, PARTITION_TOLERANCE
 from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, fold_factor, simulate
 from imerge_hooks.simulate import run as run

@@ -9,7 +9,7 @@ from pathlib import Path
 from mpirun import run_mpi
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from imerge_hooks import timeline_report  # noqa: E402
+from imerge_hooks.tools import timeline_report  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_optimizer.py"
 

@@ -1,4 +1,4 @@
-"""imerge_hooks.timeline_report (the imerge-timeline-report command) on a hand-made trace and link samples."""
+"""imerge_hooks.tools.timeline_report (the imerge-timeline-report command) on a hand-made trace and link samples."""
 
 import json
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from imerge_hooks import timeline_report  # noqa: E402
+from imerge_hooks.tools import timeline_report  # noqa: E402
 
 RATE = 100e6  # bytes/s of one link direction
 

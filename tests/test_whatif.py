@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from imerge_hooks import whatif
 from imerge_hooks.simulate import (
     ClusterSpec,
     LayerSpec,
@@ -22,6 +21,7 @@ from imerge_hooks.simulate import (
 from imerge_hooks.simulate.choices import Cluster, Option, Outcome, options, predict_all, recommend
 from imerge_hooks.simulate.cpu_budget import CpuBudgetSpent, can_limit, cpu_limit
 from imerge_hooks.simulate.measured import load, sentence, short
+from imerge_hooks.tools import whatif
 
 REPO = Path(__file__).resolve().parent.parent
 SYNTHETIC = REPO / "benchmarks" / "profiles" / "synthetic-cpu.json"

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from imerge_hooks.timeline_report import rates
+from imerge_hooks.tools.timeline_report import rates
 
 from . import netlab as nl
 

@@ -12,8 +12,8 @@ from benchmarks.runner.emulator_check import scale_check
 from benchmarks.runner.grid import FALLBACK_STARTUP_S, fmt_s, log
 from benchmarks.runner.launch import Job, plan_jobs, print_jobs, run_job
 from benchmarks.runner.predict import cached_psmodel, simulate_one, startup_for
-from imerge_hooks.timeline_report import format_report
-from imerge_hooks.timeline_report import report as timeline_report
+from imerge_hooks.tools.timeline_report import format_report
+from imerge_hooks.tools.timeline_report import report as timeline_report
 
 if TYPE_CHECKING:
     from benchmarks.runner.document import Bench

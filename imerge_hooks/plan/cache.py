@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import Config
+from ..core.config import Config
 from .cache_files import integer, is_int, is_number, number, read_checked, record, require
 from .planner import METHODS, Plan
 from .search import MIN_PARTITION_BYTES, PARTITION_FACTORS, SEARCH_ROUNDS, SERVER_WINDOWS

@@ -26,11 +26,13 @@ from typing import Any
 
 import torch
 
-from .. import collectives, key_table, polling, runtime, session
-from ..group import Group
-from ..layout import CALIBRATION_GRID, calibration_keys
-from ..schedule import SchedulePolicy
-from ..wire import KeySpec
+from ..cluster import collectives, session, startup
+from ..core import polling
+from ..core.layout import CALIBRATION_GRID, calibration_keys
+from ..core.wire import KeySpec
+from ..worker import key_table
+from ..worker.group import Group
+from ..worker.schedule import SchedulePolicy
 from .cache_files import integer, is_number, number, read_checked, record, require
 from .costmodel import PSModel, extend_table
 
@@ -181,7 +183,7 @@ def cluster_fingerprint() -> dict[str, Any]:
     host aggregation, the MPI library, the transport settings of the environment and IMerge's
     version. Worker 0's view (the cache is worker 0's)."""
     from .. import __version__
-    from .._mpi import MPI
+    from ..core._mpi import MPI
 
     topo = session.topology()
     return {"workers": topo.num_workers, "servers": topo.num_servers, "hosts": list(topo.hosts),
@@ -315,7 +317,7 @@ def main() -> None:
                         help="stop as the start-up calibration does after about this many seconds "
                              f"(it uses {STARTUP_BUDGET_S:g}); default: measure the whole grid")
     args = parser.parse_args()
-    runtime.init()
+    startup.init()
     start = time.perf_counter()
     model = measure([m for m in DEFAULT_GRID if m <= args.max_bytes], budget_s=args.budget_s)
     if session.topology().worker_rank == 0:

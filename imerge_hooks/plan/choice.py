@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 
-from ..config import Config
+from ..core.config import Config
 from ..simulate import ClusterSpec, LayerSpec, ModelSpec, search_by_simulation
 from .costmodel import CostModel, LinearModel, PSModel
 from .planner import Plan, plan, simulate_fifo

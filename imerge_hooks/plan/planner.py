@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import FUSION_THRESHOLD_BYTES
+from ..core.config import FUSION_THRESHOLD_BYTES
 from .costmodel import CostModel, LinearModel, PSModel, mgwfbp_model
 
 METHODS = ("none", "threshold", "mgwfbp", "optimal")

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .. import streams
+from ..worker import streams
 
 
 @dataclass

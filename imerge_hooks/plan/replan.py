@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from .. import handoff, session, streams
-from ..schedule import tail_group, windows
+from ..cluster import messages, session
+from ..worker import streams
+from ..worker.schedule import tail_group, windows
 from .background import BackgroundSearch
 from .cache import load_plan, plan_fit, plan_key, plan_path, store_plan
 from .choice import choose_plan
@@ -79,7 +80,7 @@ class Replanner:
         decision = None
         if topo.worker_rank == 0:
             decision = self._cached_or_chosen()
-        self.order, result, tail, self.pending = handoff.from_worker0(decision, f"the {self.method} plan")
+        self.order, result, tail, self.pending = messages.from_worker0(decision, f"the {self.method} plan")
         self._install(result, tail)
 
     def _install(self, result: Plan, tail: int | None) -> None:
@@ -184,7 +185,7 @@ class Replanner:
                 if searched is not None:
                     state = ("plan", searched, self._kept(self.order, searched))
                     log.info("IMerge: the background plan search took %.1f s", self.background.seconds)
-        state = handoff.from_worker0(state, "the background plan search's state")
+        state = messages.from_worker0(state, "the background plan search's state")
         if state[0] == "plan":
             self.pending = False
             self._install(state[1], state[2])

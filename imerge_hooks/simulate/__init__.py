@@ -42,7 +42,7 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   With ``ClusterSpec.worker_message_s`` > 0 the worker's comm thread is a serial resource:
   posting a push and handling a result each take it that long, in the order they come (a push
   flows only once posted; a result counts only once handled). Keys wait in the runtime's own
-  :class:`~imerge_hooks.schedule.ReadyQueue` under its :class:`~imerge_hooks.schedule.Credit`.
+  :class:`~imerge_hooks.worker.schedule.ReadyQueue` under its :class:`~imerge_hooks.worker.schedule.Credit`.
 * **Network: fluid, max-min fair (processor sharing).** Every host has an egress and an
   ingress link of ``bandwidth_Bps`` (workers: push out / pull in; servers: push in / result
   out). A message in flight is a flow through its sender's egress and its receiver's
@@ -77,7 +77,7 @@ communication pending); with ``iterations=1`` it is that single iteration.
 
 The all-reduce peers (DDP's and Horovod's ring, Horovod's hierarchical all-reduce) run on the same
 model and cluster with :func:`simulate_allreduce` (``allreduce``); the ``imerge-whatif`` command
-(``imerge_hooks.whatif``) sets them beside IMerge for a cluster described on its command line.
+(``imerge_hooks.tools.whatif``) sets them beside IMerge for a cluster described on its command line.
 """
 
 from .allreduce import (

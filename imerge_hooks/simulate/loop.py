@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import key_owner
+from ..core.layout import key_owner
 from ..plan.search import SearchBudgetSpent
-from ..schedule import Flow, SchedulePolicy, key_slots
+from ..worker.schedule import Flow, SchedulePolicy, key_slots
 from .results import Event
 from .specs import _EPS_T
 

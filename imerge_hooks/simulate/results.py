@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.timeline import dump_trace, lane_metadata, span_event, track_metadata
 from ..plan.planner import Plan
-from ..timeline import dump_trace, lane_metadata, span_event, track_metadata
 from .specs import _EPS_T
 
 
@@ -70,7 +70,7 @@ class SimResult:
     def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the timeline as Chrome-trace JSON (open in https://ui.perfetto.dev).
 
-        One process (pid) per track ("worker r", then "server s"), as ``imerge_hooks.timeline``
+        One process (pid) per track ("worker r", then "server s"), as ``imerge_hooks.core.timeline``
         does; inside it one thread per lane: "compute" (forward, backward, wait), "push",
         "update", "pull", with extra lanes ("push 1", ...) for spans that overlap in time.
         ``cat`` is the event kind, ``ts``/``dur`` in microseconds, ``args.bytes`` for transfers.

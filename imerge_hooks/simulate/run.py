@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import (
+from ..core.config import (
     CREDIT_BYTES,
     FUSION_THRESHOLD_BYTES,
     PARTITION_BYTES,
@@ -20,7 +20,7 @@ from ..config import (
     SCHEDULES,
     TAIL_CREDIT_BYTES,
 )
-from ..layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
+from ..core.layout import CALIBRATION_GRID, Placement, calibration_keys, cut_keys
 from ..plan.costmodel import CostModel, LinearModel, PSModel, planner_model
 from ..plan.planner import Plan, plan
 from ..plan.search import (
@@ -31,7 +31,7 @@ from ..plan.search import (
     candidate_plans,
     searched_plan,
 )
-from ..schedule import SchedulePolicy, tail_group, windows
+from ..worker.schedule import SchedulePolicy, tail_group, windows
 from .loop import _Sim
 from .results import KeyInfo, SimResult
 from .specs import FOLD_ABOVE, FOLD_HOSTS, FOLD_ORBIT_WORKERS, FOLD_WORKERS, ClusterSpec, ModelSpec
@@ -303,7 +303,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              server_credit_bytes: int | None = None) -> SimResult:
     """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
 
-    ``schedule`` is one of :data:`imerge_hooks.config.SCHEDULES`; its traits
+    ``schedule`` is one of :data:`imerge_hooks.core.config.SCHEDULES`; its traits
     (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
     ``partition_bytes``/``credit_bytes`` matter for partitioned schedules (priority, imerge),
     ``tail_credit_bytes`` (None: off) for imerge (``schedule``, tail credit),

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..layout import link_bytes
+from ..core.layout import link_bytes
 from ..plan.costmodel import PSModel
 
 # Sizes that calibrate_model "measures" (the grid of imerge_hooks.plan.calibrate: 1 KiB .. 64 MiB).

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import imerge_hooks as hvd
-from imerge_hooks.errors import IMergeArgumentError, IMergeConfigError, IMergeMismatchError, IMergeUsageError
+from imerge_hooks.core.errors import IMergeArgumentError, IMergeConfigError, IMergeMismatchError, IMergeUsageError
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +167,7 @@ def test_a_parameter_table_that_differs_on_one_worker_raises_on_every_worker(wor
 def fail_after_agreement() -> None:
     """Worker 1 fails to stage its tensor after every worker agreed on the allreduce: the others
     wait for its data, so the job must end at once, naming it."""
-    from imerge_hooks import horovod_api
+    from imerge_hooks.frontends import horovod_api
 
     hvd.init()
     if hvd.rank() == 1:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from common import say
 
 import imerge_hooks
-from imerge_hooks import collectives, session
-from imerge_hooks.errors import IMergeTimeoutError
+from imerge_hooks.cluster import collectives, session
+from imerge_hooks.core.errors import IMergeTimeoutError
 
 imerge_hooks.init(timeout_s=3.0)
 topo = session.topology()

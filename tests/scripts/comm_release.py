@@ -15,10 +15,11 @@ import torch
 from common import say
 
 import imerge_hooks
-from imerge_hooks import key_table, session
-from imerge_hooks.group import Group
-from imerge_hooks.schedule import SchedulePolicy
-from imerge_hooks.wire import KeySpec
+from imerge_hooks.cluster import session
+from imerge_hooks.core.wire import KeySpec
+from imerge_hooks.worker import key_table
+from imerge_hooks.worker.group import Group
+from imerge_hooks.worker.schedule import SchedulePolicy
 
 
 def run_all(out: str | None = None) -> None:

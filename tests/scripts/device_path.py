@@ -20,7 +20,8 @@ from common import say as tagged_say
 from device_path_cases import join_and_mixed, run_cases
 
 import imerge_hooks as hvd
-from imerge_hooks import device_collectives, session
+from imerge_hooks.cluster import session
+from imerge_hooks.frontends import device_collectives
 
 hvd.init()
 R, W = hvd.rank(), hvd.size()

@@ -1,4 +1,4 @@
-"""The tensor collectives' device path (``imerge_hooks.device_collectives``) against their host path (MPI),
+"""The tensor collectives' device path (``imerge_hooks.frontends.device_collectives``) against their host path (MPI),
 op by op: the cases ``device_path.py`` (gloo, CPU tensors) and ``tests/gpu/scripts/nccl_collectives.py``
 (NCCL, CUDA tensors) run. Imported by those scripts, after ``init()`` and ``worker_group()``.
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 import imerge_hooks as hvd
-from imerge_hooks import device_collectives, horovod_api
+from imerge_hooks.frontends import device_collectives, horovod_api
 
 staged = [0]  # calls of horovod_api._host: a tensor staged through the host
 _host = horovod_api._host

@@ -21,10 +21,11 @@ from common import say
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_device import FakeDevice  # noqa: E402
 
-from imerge_hooks import key_table, session  # noqa: E402
-from imerge_hooks.group import Group  # noqa: E402
-from imerge_hooks.schedule import SchedulePolicy  # noqa: E402
-from imerge_hooks.wire import KeySpec  # noqa: E402
+from imerge_hooks.cluster import session
+from imerge_hooks.core.wire import KeySpec  # noqa: E402
+from imerge_hooks.worker import key_table
+from imerge_hooks.worker.group import Group  # noqa: E402
+from imerge_hooks.worker.schedule import SchedulePolicy  # noqa: E402
 
 
 def _group(index: int, client: int, numel: int, value: float, device: FakeDevice | None, servers: int) -> Group:

@@ -1,4 +1,4 @@
-"""A stand-in for ``imerge_hooks.streams.DeviceStreams`` on the CPU: events the test completes, streams
+"""A stand-in for ``imerge_hooks.worker.streams.DeviceStreams`` on the CPU: events the test completes, streams
 it names, copies that run once the events they wait for have completed, and a log of every call, so
 the CUDA path's ordering can be checked where no GPU is. An event's ``synchronize()`` fails the test:
 nothing on the gradient path may wait on the device."""

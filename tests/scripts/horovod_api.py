@@ -26,8 +26,8 @@ from common import say
 from torch import nn
 
 import imerge_hooks as hvd
-from imerge_hooks import collectives, session
-from imerge_hooks.errors import IMergeConfigError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
+from imerge_hooks.cluster import collectives, session
+from imerge_hooks.core.errors import IMergeConfigError, IMergeMismatchError, IMergeTimeoutError, IMergeUsageError
 
 try:
     hvd.init()

@@ -17,7 +17,7 @@ import torch
 from common import say
 
 import imerge_hooks as imh
-from imerge_hooks._mpi import MPI, ensure_initialized
+from imerge_hooks.core._mpi import MPI, ensure_initialized
 
 victim, at_step = int(sys.argv[1]), int(sys.argv[2])
 how = sys.argv[3] if len(sys.argv) > 3 else "kill"

@@ -315,7 +315,7 @@ def on_server() -> bool:
         return False
     import imerge_hooks
 
-    return imerge_hooks.session.is_initialized() and imerge_hooks.is_server()
+    return imerge_hooks.cluster.session.is_initialized() and imerge_hooks.is_server()
 
 
 def server_report(name: str, value) -> None:

@@ -14,7 +14,7 @@ import torch
 from common import say
 
 import imerge_hooks as imh
-from imerge_hooks.torch_world import TORCH_ENV
+from imerge_hooks.cluster.torch_world import TORCH_ENV
 
 
 def listening_ports() -> list[int]:

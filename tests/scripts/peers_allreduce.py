@@ -16,7 +16,7 @@ import common  # noqa: E402
 
 import imerge_hooks as imh  # noqa: E402
 from benchmarks.peers import FusedAllreduce  # noqa: E402
-from imerge_hooks import session  # noqa: E402
+from imerge_hooks.cluster import session  # noqa: E402
 
 STEPS = 4
 

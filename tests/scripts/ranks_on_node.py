@@ -8,9 +8,9 @@ import os
 
 from common import say
 
-from imerge_hooks import polling
-from imerge_hooks._mpi import MPI, ensure_initialized
-from imerge_hooks.topology import build_topology
+from imerge_hooks.cluster.topology import build_topology
+from imerge_hooks.core import polling
+from imerge_hooks.core._mpi import MPI, ensure_initialized
 
 ensure_initialized()
 rank = MPI.COMM_WORLD.Get_rank()

@@ -27,7 +27,7 @@ def listening_on(port: int) -> list[str]:
 
 imh.init()
 rank = imh.rank()
-address, port = imh.torch_world.master_address_port()
+address, port = imh.cluster.torch_world.master_address_port()
 say(rank, "ADDR", address, port, os.environ.get("GLOO_SOCKET_IFNAME", "-"))
 if rank == 0:
     say(rank, "LISTEN", *listening_on(port))

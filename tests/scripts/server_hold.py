@@ -16,8 +16,9 @@ import torch
 from common import say
 
 import imerge_hooks
-from imerge_hooks import key_table, session
-from imerge_hooks.wire import KeySpec, as_mpi_buffer, key_tag
+from imerge_hooks.cluster import session
+from imerge_hooks.core.wire import KeySpec, as_mpi_buffer, key_tag
+from imerge_hooks.worker import key_table
 
 imerge_hooks.init()
 topo = session.topology()

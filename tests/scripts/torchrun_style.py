@@ -20,16 +20,16 @@ imh.init()  # added line 1 (server ranks serve here and exit)
 me = imh.rank()
 expected = {"RANK": me, "WORLD_SIZE": imh.size(), "LOCAL_RANK": imh.local_rank(), "LOCAL_WORLD_SIZE": imh.local_size()}
 assert all(os.environ[k] == str(v) for k, v in expected.items()), {k: os.environ.get(k) for k in expected}
-address, port = imh.torch_world.master_address_port()
+address, port = imh.cluster.torch_world.master_address_port()
 assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == (address, str(port))
-say(me, "env", *(f"{k}={os.environ[k]}" for k in imh.torch_world.TORCH_ENV))
+say(me, "env", *(f"{k}={os.environ[k]}" for k in imh.cluster.torch_world.TORCH_ENV))
 
 # A value that contradicts the workers-only world (here on worker 1 only) is refused on every worker.
 saved = os.environ["WORLD_SIZE"]
 if me == 1:
     os.environ["WORLD_SIZE"] = "7"
 try:
-    imh.torch_world.export_torch_env()
+    imh.cluster.torch_world.export_torch_env()
     say(me, "contradiction accepted")
 except imh.IMergeConfigError as exc:
     say(me, "refused", str(exc).replace("\n", " "))

@@ -30,7 +30,7 @@ args = parser.parse_args()
 
 imh.init()
 rank, world = imh.rank(), imh.size()
-say(rank, "AGGREGATE", imh.session.topology().aggregate_in_host, imh.session.topology().host)
+say(rank, "AGGREGATE", imh.cluster.session.topology().aggregate_in_host, imh.cluster.session.topology().host)
 
 
 def train(spec: str, out: str) -> None:

@@ -39,7 +39,7 @@ import imerge_hooks as imh
 
 imh.init()
 RANK, WORLD = imh.rank(), imh.size()
-WORKERS = imh.session.topology().worker_comm
+WORKERS = imh.cluster.session.topology().worker_comm
 
 
 class CellFailed(Exception):

@@ -42,11 +42,11 @@ rank, world = imh.rank(), imh.size()
 device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 FULL_BATCH = 8 * world
 if args.device == "cuda":
-    assert torch.cuda.current_device() == imh.session.topology().local_rank % torch.cuda.device_count()
+    assert torch.cuda.current_device() == imh.cluster.session.topology().local_rank % torch.cuda.device_count()
 
 
 def say(*parts: object) -> None:
-    print(f"@{imh.session.topology().world_rank}", *parts, flush=True)
+    print(f"@{imh.cluster.session.topology().world_rank}", *parts, flush=True)
 
 
 class SlowGradient(torch.autograd.Function):
@@ -268,7 +268,7 @@ def check_parked() -> None:
     pushed and their results arrive; the trained parameters match single-process training (nothing
     read before it was written, on either stream). Then a flag read (``DeviceStreams.read_scalar``)
     returns while the copy stream is still busy."""
-    from imerge_hooks import streams
+    from imerge_hooks.worker import streams
 
     torch.manual_seed(1234)
     model = TwoStreams().to(device)

@@ -1,5 +1,5 @@
 """The tensor collectives on CUDA tensors with one worker per GPU: their data moves over the workers' NCCL group
-(``imerge_hooks.device_collectives``), never through the host, and every op's result equals the host path's
+(``imerge_hooks.frontends.device_collectives``), never through the host, and every op's result equals the host path's
 (staged through ``.cpu()`` for MPI). The cases are ``tests/scripts/device_path_cases.py``'s, on the real
 decision (``device_group``) this time.
 
@@ -19,7 +19,8 @@ import torch.distributed as dist  # noqa: E402
 from device_path_cases import join_and_mixed, run_cases  # noqa: E402
 
 import imerge_hooks as imh  # noqa: E402
-from imerge_hooks import device_collectives, session  # noqa: E402
+from imerge_hooks.cluster import session
+from imerge_hooks.frontends import device_collectives
 
 imh.init()
 R, W = imh.rank(), imh.size()
