@@ -1,4 +1,4 @@
-"""What keeping reads exact under the overlap costs per step: ``AccessGuard`` (imerge_hooks/gates.py).
+"""What keeping reads exact under the overlap costs per step: ``AccessGuard`` (imerge_hooks/worker/read_guard.py).
 
 While a step's updates are pending, ``nn.Module.__getattr__``, ``named_parameters``,
 ``_save_to_state_dict``, ``_load_from_state_dict``, ``zero_grad`` and ``Parameter``'s copy and

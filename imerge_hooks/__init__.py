@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from .cluster.startup import shutdown
 from .cluster.torch_world import worker_group
+from .core.compression import Compression, Compressor, compression_name
 from .core.config import SCHEDULES, Config
 from .core.errors import (
     HorovodInternalError,
@@ -27,7 +28,6 @@ from .core.errors import (
     IMergeTimeoutError,
     IMergeUsageError,
 )
-from .core.layout import Compression, Compressor, compression_name
 from .core.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .frontends.ddp import IMergeHookState, ps_hook
 from .frontends.horovod_api import (

@@ -18,7 +18,7 @@ from .plan.costmodel import LinearModel, PSModel, extend_table, planner_model
 from .plan.planner import plan as plan_groups
 from .plan.search import SearchBudgetSpent
 from .server import stages
-from .worker.gates import AccessGuard
+from .worker.read_guard import AccessGuard
 from .worker.schedule import SchedulePolicy
 
 __all__ = [

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from imerge_hooks.cluster import devices
+from imerge_hooks.cluster import backend, devices
 from imerge_hooks.cluster.rank_layout import check_layout
 from imerge_hooks.cluster.topology import Topology
 from imerge_hooks.core.errors import IMergeConfigError
@@ -40,14 +40,14 @@ def test_nccl_only_where_no_two_workers_share_a_gpu(monkeypatch):
     monkeypatch.delenv("IMERGE_BACKEND", raising=False)
     monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: True)
     hosts = ["a", "a", "a"]
-    assert devices.worker_backend(topology(0, hosts, 1, 2)) == "nccl"
-    assert devices.worker_backend(topology(0, hosts, 1, 1)) == "gloo"
-    assert devices.workers_share_gpus(topology(0, hosts, 1, 1))
+    assert backend.worker_backend(topology(0, hosts, 1, 2)) == "nccl"
+    assert backend.worker_backend(topology(0, hosts, 1, 1)) == "gloo"
+    assert backend.workers_share_gpus(topology(0, hosts, 1, 1))
     monkeypatch.setenv("IMERGE_BACKEND", "gloo")
-    assert devices.worker_backend(topology(0, hosts, 1, 2)) == "gloo"
+    assert backend.worker_backend(topology(0, hosts, 1, 2)) == "gloo"
     monkeypatch.setattr(devices.torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("IMERGE_BACKEND")
-    assert devices.worker_backend(topology(0, hosts, 1, 0)) == "gloo"
+    assert backend.worker_backend(topology(0, hosts, 1, 0)) == "gloo"
 
 
 def test_cuda_aware_query_reads_the_loaded_mpi_library(monkeypatch):

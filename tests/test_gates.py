@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from imerge_hooks.worker.gates import LEARNING_ITERATIONS, AccessGuard, GateLearner
+from imerge_hooks.worker.gates import LEARNING_ITERATIONS, GateLearner
+from imerge_hooks.worker.read_guard import AccessGuard
 
 
 class Parent(nn.Module):

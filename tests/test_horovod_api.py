@@ -13,8 +13,8 @@ import torch
 from mpirun import run_mpi
 
 import imerge_hooks as hvd
+from imerge_hooks.core.compression import compression_name
 from imerge_hooks.core.errors import IMergeConfigError
-from imerge_hooks.core.layout import compression_name
 from imerge_hooks.frontends import horovod_api
 
 SCRIPT = Path(__file__).parent / "scripts" / "horovod_api.py"

@@ -1,7 +1,7 @@
-"""Which GPU a worker uses, whether its MPI reads device memory, and which torch.distributed backend fits.
+"""Which GPU a worker uses and whether its MPI reads device memory (``backend``: the torch.distributed backend).
 
 Workers take the GPUs of their host in local-rank order (``Topology.local_rank`` counts workers
-only: servers take no GPU); ``placement.check_layout`` has already refused a host with more
+only: servers take no GPU); ``rank_layout.check_layout`` has already refused a host with more
 workers than GPUs unless ``share_gpus`` says sharing is intended.
 """
 
@@ -62,25 +62,6 @@ def adopt_bound_device() -> None:
     """Make the calling thread (the comm thread) use the bound GPU too: CUDA's current device is per thread."""
     if _bound is not None:
         torch.cuda.set_device(_bound)
-
-
-def workers_share_gpus(topo: Topology) -> bool:
-    """Whether two workers of some host use one GPU (NCCL refuses such a group: gloo then)."""
-    for host in set(topo.hosts[:topo.num_workers]):
-        workers = topo.workers_on(host)
-        visible = topo.gpus[workers[0]] if topo.gpus else 0
-        if visible and len(workers) > visible:
-            return True
-    return False
-
-
-def worker_backend(topo: Topology) -> str:
-    """torch.distributed backend of the workers' group: NCCL on GPUs (one per worker), else gloo;
-    ``IMERGE_BACKEND`` overrides."""
-    override = os.environ.get("IMERGE_BACKEND", "").strip()
-    if override:
-        return override
-    return "nccl" if torch.cuda.is_available() and not workers_share_gpus(topo) else "gloo"
 
 
 def cuda_aware_mpi(setting: bool | None = None) -> bool:

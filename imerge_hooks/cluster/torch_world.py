@@ -8,7 +8,8 @@ import logging
 import os
 
 from ..core.errors import IMergeConfigError, IMergeUsageError
-from . import devices, rendezvous, session
+from . import rendezvous, session
+from .backend import worker_backend
 from .collectives import collective
 from .topology import Topology
 
@@ -73,7 +74,7 @@ def worker_group():
         session.state.process_group = dist.group.WORLD
         return session.state.process_group
     address, port = master_address_port()
-    backend = devices.worker_backend(topo)
+    backend = worker_backend(topo)
     timeout_s = session.config().timeout_s
     store = session.state.store
     if store is None:  # not worker 0, which serves it

@@ -47,6 +47,7 @@ from ..cluster import collectives, session
 from ..cluster.failure import abort, record_fatal, whoami
 from ..cluster.topology import Topology
 from ..core._mpi import MPI
+from ..core.compression import Compression
 from ..core.errors import (
     IMergeArgumentError,
     IMergeConfigError,
@@ -55,7 +56,6 @@ from ..core.errors import (
     IMergeTimeoutError,
     IMergeUsageError,
 )
-from ..core.layout import Compression
 from ..core.ops import ReduceOp, reduce_op, resolve_op
 from ..core.polling import DeadlineWait
 from . import device_collectives

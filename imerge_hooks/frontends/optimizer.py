@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from ..cluster import session, startup
+from ..core.compression import compression_name
 from ..core.config import Config
 from ..core.errors import IMergeConfigError, IMergeUsageError
-from ..core.layout import compression_name, dtype_name
+from ..core.layout import dtype_name
 from ..core.ops import ReduceOp, reduce_op
 from ..core.wire import SUPPORTED_DTYPES
 from ..worker.engine import GradientEngine

@@ -14,7 +14,7 @@ the engine does (it sends a group when every tensor in it is ready).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,24 +90,28 @@ def _run_starts(dtypes: Sequence[str] | None, n: int) -> list[int]:
     return first
 
 
-def _plan_threshold(sizes: Sequence[float], run_start: list[int], threshold: float
-                    ) -> list[list[int]]:
-    """Horovod/DDP buckets: add tensors until the bucket holds >= threshold bytes."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    acc = 0.0
-    for i, s in enumerate(sizes):
-        if cur and run_start[i] == i:
-            groups.append(cur)
-            cur, acc = [], 0.0
-        cur.append(i)
-        acc += s
-        if acc >= threshold:
-            groups.append(cur)
-            cur, acc = [], 0.0
-    if cur:
-        groups.append(cur)
-    return groups
+def fill_buckets(items: Iterable[int], sizes: Sequence[float], cap: float, *, first_cap: float | None = None,
+                 breaks: Container[int] = ()) -> list[list[int]]:
+    """Greedy bucket fill, the rule of Horovod's fusion threshold and of DDP's buckets: ``items`` in order go
+    into the open bucket, which closes once it holds at least its cap (``sizes[item]`` summed): ``first_cap``
+    for the first bucket (None: ``cap``, DDP's first bucket is smaller), ``cap`` for the others. An item in
+    ``breaks`` closes the open bucket before it joins (the planner: a new dtype run). Returns the buckets, in
+    order, as lists of items."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0  # int sizes stay exact; float sizes sum exactly as from 0.0
+    for i in items:
+        if current and i in breaks:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += sizes[i]
+        if filled >= (first_cap if first_cap is not None and not buckets else cap):
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def _linear_fit_of(model: CostModel) -> LinearModel:
@@ -236,7 +240,8 @@ def plan(sizes: Sequence[float], ready_times: Sequence[float], cost_model: CostM
     if method == "none":
         groups = [[i] for i in range(n)]
     elif method == "threshold":
-        groups = _plan_threshold(sizes_f, run_start, float(fusion_threshold_bytes))
+        run_heads = {i for i, first in enumerate(run_start) if first == i}
+        groups = fill_buckets(range(n), sizes_f, float(fusion_threshold_bytes), breaks=run_heads)
     elif method == "mgwfbp":
         groups = _plan_mgwfbp(sizes_f, ready, run_start, _linear_fit_of(cost_model))
     else:

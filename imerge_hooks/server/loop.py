@@ -22,13 +22,13 @@ from ..cluster.topology import Topology
 from ..core._mpi import MPI
 from ..core.config import Config
 from ..core.polling import Backoff
+from ..core.requests import PendingRequests
 from ..core.wire import (
     KEY_TAG_BASE,
     TAG_CONTROL,
     TAG_ERROR,
     TAG_REPLY,
     KeySpec,
-    PendingRequests,
     as_mpi_buffer,
     key_tag,
     split_key_tag,

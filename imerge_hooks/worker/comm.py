@@ -25,7 +25,8 @@ from ..core._mpi import MPI
 from ..core.errors import IMergeError, IMergeTimeoutError
 from ..core.layout import key_owner
 from ..core.polling import Backoff
-from ..core.wire import ROUND_TAGS, TAG_ERROR, TAG_HOST_SHUTDOWN, PendingRequests, key_tag, split_key_tag
+from ..core.requests import PendingRequests
+from ..core.wire import ROUND_TAGS, TAG_ERROR, TAG_HOST_SHUTDOWN, key_tag, split_key_tag
 from .group import Group
 from .schedule import Flow, Flows, SchedulePolicy, key_slots
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from .gates import AccessGuard, GateLearner
+from .gates import GateLearner
+from .read_guard import AccessGuard
 
 log = logging.getLogger("imerge")
 

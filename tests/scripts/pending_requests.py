@@ -7,7 +7,7 @@ import numpy as np
 from common import say
 from mpi4py import MPI
 
-from imerge_hooks.core.wire import PendingRequests
+from imerge_hooks.core.requests import PendingRequests
 
 comm = MPI.COMM_SELF
 
