@@ -154,7 +154,7 @@ def build_topology(num_servers: int, timeout_s: float = 600.0, aggregate_in_host
     """Split COMM_WORLD into roles (collective over COMM_WORLD).
 
     ``aggregate_in_host``: where a host holds several workers they reduce each key inside the host
-    first and one of them pushes the host's sum (``comm.py``); needs servers, off where every host
+    first and one of them pushes the host's sum (``worker.host_exchange``); needs servers, off where every host
     holds one worker.
 
     First every rank's machine is gathered with a deadline (``timeout_s``): it also tells that

@@ -36,7 +36,6 @@ class _DistributedMixin:
     _imerge_skip_sync: bool
     _imerge_synchronized: bool  # synchronize() ran since the last step() (Horovod warns at that step)
     _imerge_sparse: dict[int, int]  # id(param) -> sparse_dim of its sparse gradients (sparse_as_dense)
-    _imerge_sparse_hooks: list
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged over the workers (e.g. before clipping)."""
@@ -106,10 +105,8 @@ class _DistributedMixin:
         fresh = [p for p in params if id(p) not in names]
         names.update(zip(map(id, fresh), module_names(fresh)))
         named = [(names[id(p)], p) for p in params if not _frozen_integer(p)]
-        for hook in self._imerge_sparse_hooks:
-            hook.remove()
         old.close()
-        self._imerge_engine, self._imerge_sparse_hooks = _build_engine(named, old.cfg, *self._imerge_build)
+        self._imerge_engine = _build_engine(named, old.cfg, *self._imerge_build)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients in place: they stay views into IMerge's flat buffers (no allocation per step).
@@ -135,10 +132,8 @@ class _DistributedMixin:
         """
         engine = self._imerge_engine
         engine.close()
-        for hook in self._imerge_sparse_hooks:
-            hook.remove()
         del self._imerge_engine, self._imerge_skip_sync, self._imerge_synchronized, self._imerge_build
-        del self._imerge_sparse, self._imerge_sparse_hooks
+        del self._imerge_sparse
         self.__class__ = type(self).__mro__[2]  # the wrapped class again
 
     def __enter__(self) -> _DistributedMixin:
@@ -179,22 +174,22 @@ def _sparse_again(engine: GradientEngine, layouts: dict[int, int]) -> list[tuple
     return dense
 
 
-def _sparse_hook(name: str, layouts: dict[int, int], allow: bool, worker: int) -> Callable[[torch.Tensor], None]:
-    """A gradient hook run before the engine's: a sparse gradient becomes dense (``sparse_as_dense``)
-    or is refused naming the tensor."""
+def _densify(names: dict[int, str], layouts: dict[int, int], allow: bool,
+             worker: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the engine does with a sparse gradient (``GradientEngine.sparse_gradient``): make it dense
+    (``sparse_as_dense``, remembering its sparse layout for ``step()``) or refuse it naming the tensor."""
 
-    def hook(param: torch.Tensor) -> None:
+    def densify(param: torch.Tensor) -> torch.Tensor:
         grad = param.grad
-        if grad is None or not grad.is_sparse:
-            return
         if not allow:
-            raise TypeError(f"IMerge worker {worker}: gradient of {name!r} is sparse; IMerge's servers average "
-                            "dense gradients: pass DistributedOptimizer(..., sparse_as_dense=True) to send it dense "
-                            "(or use a dense embedding)")
+            raise TypeError(f"IMerge worker {worker}: gradient of {names[id(param)]!r} is sparse; IMerge's servers "
+                            "average dense gradients: pass DistributedOptimizer(..., sparse_as_dense=True) to send it "
+                            "dense (or use a dense embedding)")
         layouts[id(param)] = grad.sparse_dim()
         param.grad = grad.to_dense()
+        return param.grad
 
-    return hook
+    return densify
 
 
 class _SummingEngine(GradientEngine):
@@ -264,33 +259,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     named = _named_parameters(optimizer, named_parameters)
     layouts: dict[int, int] = {}
     build = (factor, layouts, bool(sparse_as_dense))
-    engine, hooks = _build_engine(named, cfg, *build)
+    engine = _build_engine(named, cfg, *build)
     optimizer.__class__ = _distributed_class(type(optimizer))
     optimizer._imerge_engine = engine
     optimizer._imerge_build = build
     optimizer._imerge_skip_sync = False
     optimizer._imerge_synchronized = False
     optimizer._imerge_sparse = layouts
-    optimizer._imerge_sparse_hooks = hooks
     _repatch_scheduler_step(optimizer)
     return optimizer
 
 
 def _build_engine(named: list, cfg: Config, factor: float, layouts: dict[int, int],
-                  sparse_as_dense: bool) -> tuple[GradientEngine, list]:
-    """The engine over ``named`` and its sparse-gradient hooks (registered first, so they run first)."""
+                  sparse_as_dense: bool) -> GradientEngine:
+    """The engine over ``named``; a sparse gradient is made dense or refused inside its gradient hook."""
     worker = session.topology().worker_rank
     for name, p in named:
         dtype_name(p.dtype, name, f"worker {worker}")
-    hooks = [p.register_post_accumulate_grad_hook(_sparse_hook(name, layouts, sparse_as_dense, worker))
-             for name, p in named if p.requires_grad]
-    try:
-        engine = _SummingEngine(named, cfg, factor) if factor != 1.0 else GradientEngine(named, cfg)
-    except BaseException:
-        for hook in hooks:
-            hook.remove()
-        raise
-    return engine, hooks
+    engine = _SummingEngine(named, cfg, factor) if factor != 1.0 else GradientEngine(named, cfg)
+    engine.sparse_gradient = _densify({id(p): name for name, p in named}, layouts, sparse_as_dense, worker)
+    return engine
 
 
 def _check_horovod_options(op: Any, predivide: float, num_groups: int, groups: Any, process_set: Any) -> ReduceOp:

@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from ..plan.planner import fill_buckets
 from .results import Event, SimResult
 from .specs import ClusterSpec, ModelSpec
 
@@ -120,19 +121,111 @@ def allreduce_bound_s(total_bytes: float, workers: int, bandwidth_Bps: float) ->
 def ddp_buckets(sizes: Sequence[int], order: Sequence[int], bucket_bytes: int,
                 first_bucket_bytes: int) -> list[list[int]]:
     """DDP's bucket assignment: tensors in ``order``; a bucket closes once it reaches its cap."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for i in order:
-        current.append(i)
-        filled += sizes[i]
-        cap = first_bucket_bytes if not buckets else bucket_bytes
-        if filled >= cap:
-            buckets.append(current)
-            current, filled = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    return fill_buckets(order, sizes, bucket_bytes, first_cap=first_bucket_bytes)
+
+
+def _check_args(peer: str, step_latency_s: float, **counts: int) -> None:
+    """ValueError for an unknown peer, a count below 1 or a negative or infinite step latency."""
+    if peer not in ALLREDUCE_SCHEDULES:
+        raise ValueError(f"IMerge simulate_allreduce: unknown peer {peer!r}; "
+                         f"choose one of {', '.join(ALLREDUCE_SCHEDULES)}")
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"IMerge simulate_allreduce: {name} must be an int >= 1, got {value!r}")
+    if not (math.isfinite(step_latency_s) and step_latency_s >= 0):
+        raise ValueError(f"IMerge simulate_allreduce: step_latency_s must be >= 0, got {step_latency_s!r}")
+
+
+def _ready_times(model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float, list[int], list[float], list[int]]:
+    """(forward time, backward time, tensor sizes, each tensor's ready time from the start of the backward,
+    the ready order: last layer first, later-registered first inside a layer)."""
+    scale = cluster.time_scale
+    fwd = sum(layer.forward_s for layer in model.layers) * scale
+    sizes = [int(b) for b in model.tensor_bytes]
+    ready_at: list[float] = []
+    elapsed = 0.0
+    per_layer_ready = []
+    for layer in reversed(model.layers):
+        elapsed += layer.backward_s * scale
+        per_layer_ready.append(elapsed)
+    per_layer_ready.reverse()
+    for index, layer in enumerate(model.layers):
+        ready_at += [per_layer_ready[index]] * len(layer.param_bytes)
+    bwd = per_layer_ready[0] if model.layers else 0.0
+    order = sorted(range(len(sizes)), key=lambda i: (ready_at[i], -i))
+    return fwd, bwd, sizes, ready_at, order
+
+
+def _reduce_time(peer: str, cluster: ClusterSpec, step_latency_s: float,
+                 in_host_hops: bool) -> Callable[[float], float]:
+    """The time of one all-reduce of ``nbytes`` under ``peer``: hierarchical, or a ring over all workers."""
+    if peer == "hierarchical":
+        hosts, per_host = workers_per_host(cluster)
+
+        def reduce_s(nbytes: float) -> float:
+            return hierarchical_allreduce_s(nbytes, hosts, per_host, cluster.bandwidth_Bps, cluster.local_Bps,
+                                            cluster.reduce_Bps, step_latency_s, fabric_Bps=cluster.fabric_Bps)
+        return reduce_s
+    per_host, local = (workers_per_host(cluster)[1], cluster.local_Bps) if in_host_hops else (1, None)
+
+    def ring_s(nbytes: float) -> float:
+        return ring_allreduce_s(nbytes, cluster.workers, cluster.bandwidth_Bps, step_latency_s,
+                                cluster.fabric_Bps, per_host, local)
+    return ring_s
+
+
+_Span = tuple[list[int], float, float]  # (tensors, start, end) from the start of the backward
+
+
+def _ddp_spans(buckets: list[list[int]], sizes: Sequence[int], ready_at: Sequence[float],
+               reduce_s: Callable[[float], float]) -> list[_Span]:
+    """DDP: each bucket's all-reduce once its last tensor is ready and the previous one has finished."""
+    spans: list[_Span] = []
+    free = 0.0
+    for bucket in buckets:
+        start = max(free, max(ready_at[i] for i in bucket))
+        free = start + reduce_s(sum(sizes[i] for i in bucket))
+        spans.append((bucket, start, free))
+    return spans
+
+
+def _fused_spans(order: Sequence[int], sizes: Sequence[int], ready_at: Sequence[float],
+                 reduce_s: Callable[[float], float], fusion_bytes: int, negotiate: float) -> list[_Span]:
+    """Horovod: whenever the channel is free, what is ready (up to ``fusion_bytes``, at least one tensor) in
+    one all-reduce, after ``negotiate`` seconds."""
+    spans: list[_Span] = []
+    free = 0.0
+    pos = 0
+    while pos < len(order):
+        start = max(free, ready_at[order[pos]])
+        take, filled = [], 0
+        while pos < len(order) and ready_at[order[pos]] <= start:
+            nbytes = sizes[order[pos]]
+            if take and filled + nbytes > fusion_bytes:
+                break
+            take.append(order[pos])
+            filled += nbytes
+            pos += 1
+        free = start + negotiate + reduce_s(filled)
+        spans.append((take, start, free))
+    return spans
+
+
+def _timeline(spans: Sequence[_Span], sizes: Sequence[int], workers: int, iterations: int, fwd: float, bwd: float,
+              iteration_s: float) -> list[Event]:
+    """Every worker's forward, backward and all-reduces of each iteration (all workers alike)."""
+    timeline: list[Event] = []
+    for it in range(iterations):
+        t0 = it * iteration_s
+        for r in range(workers):
+            track = f"worker {r}"
+            timeline.append(Event(track, "forward", t0, t0 + fwd, "forward"))
+            timeline.append(Event(track, "backward", t0 + fwd, t0 + fwd + bwd, "backward"))
+            for k, (tensors, start, end) in enumerate(spans):
+                nbytes = sum(sizes[i] for i in tensors)
+                timeline.append(Event(track, f"all-reduce {k} ({len(tensors)} tensors)", t0 + fwd + start,
+                                      t0 + fwd + end, "push", nbytes))
+    return timeline
 
 
 def simulate_allreduce(model: ModelSpec, cluster: ClusterSpec, peer: str = "ddp", *,
@@ -144,82 +237,20 @@ def simulate_allreduce(model: ModelSpec, cluster: ClusterSpec, peer: str = "ddp"
     ``reduce_Bps``; ``step_latency_s`` is the latency of a step across hosts). ``in_host_hops``: the
     rings of ``ddp`` and ``mpi-allreduce`` charge their hops inside a host to its ``local_Bps``
     (:func:`ring_allreduce_s`); False, as the benchmarks: they are free."""
-    if peer not in ALLREDUCE_SCHEDULES:
-        raise ValueError(f"IMerge simulate_allreduce: unknown peer {peer!r}; "
-                         f"choose one of {', '.join(ALLREDUCE_SCHEDULES)}")
-    for name, value in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes),
-                        ("fusion_bytes", fusion_bytes), ("iterations", iterations)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"IMerge simulate_allreduce: {name} must be an int >= 1, got {value!r}")
-    if not (math.isfinite(step_latency_s) and step_latency_s >= 0):
-        raise ValueError(f"IMerge simulate_allreduce: step_latency_s must be >= 0, got {step_latency_s!r}")
+    _check_args(peer, step_latency_s, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes,
+                fusion_bytes=fusion_bytes, iterations=iterations)
     model.check()
-    scale = cluster.time_scale
-    fwd = sum(layer.forward_s for layer in model.layers) * scale
-    sizes = [int(b) for b in model.tensor_bytes]
-    ready_at: list[float] = []  # from the start of the backward
-    elapsed = 0.0
-    per_layer_ready = []
-    for layer in reversed(model.layers):
-        elapsed += layer.backward_s * scale
-        per_layer_ready.append(elapsed)
-    per_layer_ready.reverse()
-    for index, layer in enumerate(model.layers):
-        ready_at += [per_layer_ready[index]] * len(layer.param_bytes)
-    bwd = per_layer_ready[0] if model.layers else 0.0
-    order = sorted(range(len(sizes)), key=lambda i: (ready_at[i], -i))  # ready order: last layer first
-
-    if peer == "hierarchical":
-        hosts, per_host = workers_per_host(cluster)
-
-        def reduce_s(nbytes: float) -> float:
-            return hierarchical_allreduce_s(nbytes, hosts, per_host, cluster.bandwidth_Bps, cluster.local_Bps,
-                                            cluster.reduce_Bps, step_latency_s, fabric_Bps=cluster.fabric_Bps)
-    else:
-        per_host, local = (workers_per_host(cluster)[1], cluster.local_Bps) if in_host_hops else (1, None)
-
-        def reduce_s(nbytes: float) -> float:
-            return ring_allreduce_s(nbytes, cluster.workers, cluster.bandwidth_Bps, step_latency_s,
-                                    cluster.fabric_Bps, per_host, local)
-
-    spans: list[tuple[list[int], float, float]] = []  # (tensors, start, end) from the start of the backward
-    free = 0.0
+    fwd, bwd, sizes, ready_at, order = _ready_times(model, cluster)
+    reduce_s = _reduce_time(peer, cluster, step_latency_s, in_host_hops)
     if peer == "ddp":
-        groups = ddp_buckets(sizes, order, bucket_bytes, first_bucket_bytes)
-        for bucket in groups:
-            start = max(free, max(ready_at[i] for i in bucket))
-            free = start + reduce_s(sum(sizes[i] for i in bucket))
-            spans.append((bucket, start, free))
+        spans = _ddp_spans(ddp_buckets(sizes, order, bucket_bytes, first_bucket_bytes), sizes, ready_at, reduce_s)
     else:
-        groups = []
         negotiate = math.ceil(math.log2(cluster.workers)) * step_latency_s if cluster.workers > 1 else 0.0
-        pos = 0
-        while pos < len(order):
-            start = max(free, ready_at[order[pos]])
-            take, filled = [], 0
-            while pos < len(order) and ready_at[order[pos]] <= start:
-                nbytes = sizes[order[pos]]
-                if take and filled + nbytes > fusion_bytes:
-                    break
-                take.append(order[pos])
-                filled += nbytes
-                pos += 1
-            free = start + negotiate + reduce_s(filled)
-            groups.append(take)
-            spans.append((take, start, free))
+        spans = _fused_spans(order, sizes, ready_at, reduce_s, fusion_bytes, negotiate)
+    groups = [tensors for tensors, _, _ in spans]
     comm_end = max((end for _, _, end in spans), default=0.0)
     iteration_s = fwd + max(bwd, comm_end)
-    timeline: list[Event] = []
-    for it in range(iterations):
-        t0 = it * iteration_s
-        for r in range(cluster.workers):
-            track = f"worker {r}"
-            timeline.append(Event(track, "forward", t0, t0 + fwd, "forward"))
-            timeline.append(Event(track, "backward", t0 + fwd, t0 + fwd + bwd, "backward"))
-            for k, (tensors, start, end) in enumerate(spans):
-                nbytes = sum(sizes[i] for i in tensors)
-                timeline.append(Event(track, f"all-reduce {k} ({len(tensors)} tensors)", t0 + fwd + start,
-                                      t0 + fwd + end, "push", nbytes))
+    timeline = _timeline(spans, sizes, cluster.workers, iterations, fwd, bwd, iteration_s)
     throughput = cluster.workers * model.batch_size / iteration_s if iteration_s > 0 else math.inf
     return SimResult(schedule=peer, iteration_s=iteration_s, throughput=throughput,
                      iteration_times=[iteration_s] * iterations, timeline=timeline, groups=groups, keys=[],

@@ -322,30 +322,8 @@ class _Sim:
                  fold: int = 1, server_orbits: int | None = None, server_credit: int | None = None,
                  host_fold: int = 1, server_map: Sequence[int] | None = None,
                  worker_rank: Sequence[int] | None = None) -> None:
-        # Folding (run.fold_factor): W here are the simulated workers, each standing for ``fold``; with
-        # ``server_orbits``, the servers are folded too: key k's server is key_server[k] % server_orbits
-        # (its orbit), the push order still follows key_server (the real servers) and ``servers`` (S).
-        # ``host_fold`` > 1: alike hosts folded (run.host_fold): ``hosts`` are the simulated ranks' hosts, each
-        # standing for ``host_fold`` real ones, and a push or result between a host and its own server orbit
-        # crosses the NIC for all but one of the real hosts it stands for (``_pair_links``); ``server_map``
-        # gives each real server's simulated one (else s % server_orbits) and ``worker_rank`` each simulated
-        # worker's real rank (its start server with stagger; else its own index).
-        orbits = servers if server_orbits is None else int(server_orbits)
-        self.host_fold = int(host_fold)
-        self.W, self.S, self.B, self.startup = workers, orbits, float(bandwidth), float(startup)
-        self.real_S = servers
-        # Each push and result stands for this many at its (simulated) server: on its link and its work.
-        self.fold = float(fold) * orbits / servers
-        self.host = list(hosts) if hosts is not None else list(range(workers + orbits))
-        self.H = max(self.host) + 1
-        self.local_B, self.reduce_rate = float(local_bandwidth), float(reduce_rate)
-        # Host aggregation: each worker's host mates, and who pushes each key for its host.
-        self.mates = [[m for m in range(workers) if m != r and self.host[m] == self.host[r]] if aggregate else []
-                      for r in range(workers)]
-        self.host_workers = [sorted([r] + mates) for r, mates in enumerate(self.mates)]  # owner() looks up keys
-        self.got: dict[tuple[int, int], int] = {}  # (owner, key) -> its host's gradients in so far
-        self.forwarding: dict[tuple[int, int], int] = {}  # (owner, key) -> results still to hand its host
-        self.key_pushers: dict[int, list[tuple[int, int]]] = {}  # key class -> the (key, rank) pushes summed
+        self._init_fold(workers, servers, server_orbits, fold, host_fold, hosts, bandwidth, startup)
+        self._init_host_aggregation(aggregate, local_bandwidth, reduce_rate)
         self.worker_message = float(worker_message)
         self.thread_free = [0.0] * workers  # when each worker's comm thread is next free (worker_message > 0)
         self.fabric = None if fabric is None else float(fabric)
@@ -354,14 +332,70 @@ class _Sim:
         self.share_epoch = 0
         self.share_weights: dict[tuple[int, int], float] = {}
         self.share_event_at = math.inf
+        self._init_plan(fwd, bwd, layer_names, layer_tensors, groups, group_keys, key_bytes, key_server, server_map,
+                        worker_rank)
+        self.priority, self.stagger = priority, stagger
+        self.push_after_backward, self.iterations = push_after_backward, iterations
+        self.record = record
+        self.ops = self._build_ops(overlap, push_after_backward, iterations)
+        self._init_workers(SchedulePolicy(priority, stagger, credit, tail_credit, server_credit), tail_group,
+                           tail_credit, iterations)
+        self._init_key_classes()
+        self._init_network()
+        # Branch and bound (simulate's give_up_s): once every worker started iteration 1, past abort_at the
+        # steady iteration time is known to exceed give_up_s; the run stops there (gave_up).
+        self.give_up_s: float | None = None
+        self.first_started = 0
+        self.abort_at = math.inf
+        self.gave_up = False
+        self.cpu_deadline: float | None = None  # this thread's CPU time (time.thread_time) to stop at
+        self.wtrack = [f"worker {r}" for r in range(self.W)]
+        self.strack = [f"server {s}" if self.S == servers else f"server orbit {s}" for s in range(self.S)]
+
+    def _init_fold(self, workers: int, servers: int, server_orbits: int | None, fold: int, host_fold: int,
+                   hosts: Sequence[int] | None, bandwidth: float, startup: float) -> None:
+        """The simulated ranks and their hosts under folding (run.fold_factor): W here are the simulated workers,
+        each standing for ``fold``; with ``server_orbits``, the servers are folded too: key k's server is
+        key_server[k] % server_orbits (its orbit), the push order still follows key_server (the real servers)
+        and ``servers`` (S). ``host_fold`` > 1: alike hosts folded (run.host_fold): ``hosts`` are the simulated
+        ranks' hosts, each standing for ``host_fold`` real ones, and a push or result between a host and its own
+        server orbit crosses the NIC for all but one of the real hosts it stands for (``_pair_links``)."""
+        orbits = servers if server_orbits is None else int(server_orbits)
+        self.host_fold = int(host_fold)
+        self.W, self.S, self.B, self.startup = workers, orbits, float(bandwidth), float(startup)
+        self.real_S = servers
+        # Each push and result stands for this many at its (simulated) server: on its link and its work.
+        self.fold = float(fold) * orbits / servers
+        self.host = list(hosts) if hosts is not None else list(range(workers + orbits))
+        self.H = max(self.host) + 1
+
+    def _init_host_aggregation(self, aggregate: bool, local_bandwidth: float, reduce_rate: float) -> None:
+        """Host aggregation: each worker's host mates, who pushes each key for its host, and the sums in
+        progress (without ``aggregate`` every worker pushes for itself)."""
+        workers = self.W
+        self.local_B, self.reduce_rate = float(local_bandwidth), float(reduce_rate)
+        self.mates = [[m for m in range(workers) if m != r and self.host[m] == self.host[r]] if aggregate else []
+                      for r in range(workers)]
+        self.host_workers = [sorted([r] + mates) for r, mates in enumerate(self.mates)]  # owner() looks up keys
+        self.got: dict[tuple[int, int], int] = {}  # (owner, key) -> its host's gradients in so far
+        self.forwarding: dict[tuple[int, int], int] = {}  # (owner, key) -> results still to hand its host
+        self.key_pushers: dict[int, list[tuple[int, int]]] = {}  # key class -> the (key, rank) pushes summed
+
+    def _init_plan(self, fwd: Sequence[float], bwd: Sequence[float], layer_names: Sequence[str],
+                   layer_tensors: Sequence[Sequence[int]], groups: Sequence[Sequence[int]],
+                   group_keys: Sequence[Sequence[int]], key_bytes: Sequence[int], key_server: Sequence[int],
+                   server_map: Sequence[int] | None, worker_rank: Sequence[int] | None) -> None:
+        """The model, the plan and its keys, and the lookups between them. ``server_map`` gives each real
+        server's simulated one (else s % server_orbits) and ``worker_rank`` each simulated worker's real rank
+        (its start server with stagger; else its own index)."""
         self.fwd, self.bwd, self.layer_names = list(fwd), list(bwd), list(layer_names)
         self.layer_tensors = [list(t) for t in layer_tensors]
         self.groups = [list(g) for g in groups]
         self.group_keys = [list(k) for k in group_keys]
         self.key_bytes, self.slot_server = list(key_bytes), list(key_server)
-        to_orbit = [s % orbits for s in range(servers)] if server_map is None else list(server_map)
+        to_orbit = [s % self.S for s in range(self.real_S)] if server_map is None else list(server_map)
         self.key_server = [to_orbit[s] for s in key_server]
-        self.worker_rank = list(range(workers)) if worker_rank is None else list(worker_rank)
+        self.worker_rank = list(range(self.W)) if worker_rank is None else list(worker_rank)
         self.key_group = [0] * len(key_bytes)
         for g, keys in enumerate(self.group_keys):
             for k in keys:
@@ -372,11 +406,12 @@ class _Sim:
             for i in members:
                 self.tensor_group[i] = g
         self.group_prio = [min(g) if g else 0 for g in self.groups]
-        self.priority, self.stagger = priority, stagger
-        self.push_after_backward, self.iterations = push_after_backward, iterations
-        self.record = record
+
+    def _build_ops(self, overlap: bool, push_after_backward: bool, iterations: int) -> list[tuple[int, int, int]]:
+        """Every worker's op list (forward, backward, gates, flushes, marks) and the gates: before layer l's
+        forward of iteration it > 0, ``gate[l]`` must have finished round it-1 (all groups without
+        ``overlap``, before layer 0; with it, the groups holding layer l's tensors)."""
         G, L = len(self.groups), len(self.layer_tensors)
-        # Gates: before layer l's forward of iteration it > 0, these groups must have finished round it-1.
         if overlap:
             self.gate = [sorted({self.tensor_group[i] for i in self.layer_tensors[layer]}) for layer in range(L)]
         else:
@@ -392,9 +427,12 @@ class _Sim:
             if push_after_backward:
                 ops.append((_FLUSH, 0, it))
         ops += [(_GATE, 0, iterations), (_MARK, 0, iterations)]
-        self.ops = ops
-        W = workers
-        policy = SchedulePolicy(priority, stagger, credit, tail_credit, server_credit)
+        return ops
+
+    def _init_workers(self, policy: SchedulePolicy, tail_group: int | None, tail_credit: int | None,
+                      iterations: int) -> None:
+        """The workers' send queues and per-group round state, and the servers' threads."""
+        W, G = self.W, len(self.groups)
         self.workers = [_Worker(flow=Flow(policy)) for _ in range(W)]
         # Tail credit (schedule): submitting tail_group starts the tail, the last group is urgent.
         self.tail_group = tail_group if tail_credit is not None else None
@@ -403,22 +441,27 @@ class _Sim:
         self.pending = [[0] * G for _ in range(W)]
         self.done_round = [[0] * G for _ in range(W)]
         self.starts = [[math.nan] * (iterations + 1) for _ in range(W)]
-        self.cpu_free = [0.0] * orbits
-        # A key is summed when every pusher's push is in. With the servers folded, the like keys of a group on
-        # one orbit (the i-th of the group on each of its real servers) are a class: by the symmetry the fold
-        # rests on, those keys are summed when the simulated workers pushed all of them.
+        self.cpu_free = [0.0] * self.S
+
+    def _init_key_classes(self) -> None:
+        """A key is summed when every pusher's push is in. With the servers folded, the like keys of a group on
+        one orbit (the i-th of the group on each of its real servers) are a class: by the symmetry the fold
+        rests on, those keys are summed when the simulated workers pushed all of them."""
         classes: dict[tuple[int, ...], int] = {}
         nth: dict[tuple[int, int], int] = {}  # (group, real server) -> its keys so far
         self.key_class = []
-        for k in range(len(key_bytes)):
+        for k in range(len(self.key_bytes)):
             g, real = self.key_group[k], self.slot_server[k]
             i = nth[(g, real)] = nth.get((g, real), -1) + 1
-            self.key_class.append(classes.setdefault((g, self.key_server[k], i) if orbits < servers else (k,),
+            self.key_class.append(classes.setdefault((g, self.key_server[k], i) if self.S < self.real_S else (k,),
                                                      len(classes)))
         self.class_count = [0] * len(classes)
         self.class_expected = [0] * len(classes)
-        for k in range(len(key_bytes)):
-            self.class_expected[self.key_class[k]] += len({self.owner(k, r) for r in range(workers)})
+        for k in range(len(self.key_bytes)):
+            self.class_expected[self.key_class[k]] += len({self.owner(k, r) for r in range(self.W)})
+
+    def _init_network(self) -> None:
+        """The connections, the flow table over the links and the event heap."""
         self.channels: dict[tuple[int, int], deque[_Msg]] = {}
         # Active flows; link capacities by id: egress, ingress, local links, then the fabric.
         capacity = np.array([self.B] * (2 * self.H) + [self.local_B] * self.H
@@ -432,15 +475,6 @@ class _Sim:
         self.fid = itertools.count()
         self.now = 0.0
         self.timeline: list[Event] = []
-        # Branch and bound (simulate's give_up_s): once every worker started iteration 1, past abort_at the
-        # steady iteration time is known to exceed give_up_s; the run stops there (gave_up).
-        self.give_up_s: float | None = None
-        self.first_started = 0
-        self.abort_at = math.inf
-        self.gave_up = False
-        self.cpu_deadline: float | None = None  # this thread's CPU time (time.thread_time) to stop at
-        self.wtrack = [f"worker {r}" for r in range(W)]
-        self.strack = [f"server {s}" if orbits == servers else f"server orbit {s}" for s in range(orbits)]
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> None:

@@ -10,6 +10,7 @@ import numbers
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.config import (
@@ -292,6 +293,143 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _check_args(model: ModelSpec, cluster: ClusterSpec, schedule: str, cost_model: CostModel | None,
+                **counts: int) -> None:
+    """ValueError for an unknown schedule, a model or cluster of the wrong type, an invalid model, a count that
+    is not a positive int or a cost model without ``time``."""
+    if schedule not in SCHEDULE_TRAITS:
+        raise ValueError(f"IMerge simulate: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if not isinstance(model, ModelSpec):
+        raise ValueError(f"IMerge simulate: model must be a ModelSpec, got {type(model).__name__}")
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(f"IMerge simulate: cluster must be a ClusterSpec, got {type(cluster).__name__}")
+    model.check()
+    for name, value in counts.items():
+        _positive_int(name, value)
+    if cost_model is not None and not callable(getattr(cost_model, "time", None)):
+        raise ValueError("IMerge simulate: cost_model needs a time(nbytes) method")
+
+
+@dataclass
+class _Compute:
+    """A model's compute on a cluster: per-layer times (scaled by ``time_scale``), each layer's tensors,
+    every tensor's bytes and ready time (from the start of backward) and the ready order."""
+
+    fwd: list[float]
+    bwd: list[float]
+    layer_tensors: list[list[int]]
+    sizes: list[int]
+    ready_at: list[float]
+    order: list[int]
+
+
+def _compute(model: ModelSpec, cluster: ClusterSpec) -> _Compute:
+    """Layer l's tensors are ready after the backward of layers L-1..l; the ready order is reverse
+    registration order (ties inside a layer: later-registered first, as the profiler)."""
+    scale = cluster.time_scale
+    fwd = [layer.forward_s * scale for layer in model.layers]
+    bwd = [layer.backward_s * scale for layer in model.layers]
+    sizes = [int(b) for b in model.tensor_bytes]
+    layer_tensors: list[list[int]] = []
+    ready_at: list[float] = []
+    suffix = list(itertools.accumulate(reversed(bwd)))[::-1]
+    start = 0
+    for index, layer in enumerate(model.layers):
+        n = len(layer.param_bytes)
+        layer_tensors.append(list(range(start, start + n)))
+        ready_at += [suffix[index]] * n
+        start += n
+    order = list(reversed(range(len(sizes))))
+    return _Compute(fwd, bwd, layer_tensors, sizes, ready_at, order)
+
+
+@dataclass
+class _Choice:
+    """The groups to send (tensor indices in registration order, in send order) and what their plan
+    settled: the planner's result and cost model (None: no planner ran), and the partition size, stagger
+    and per-server window to use (the caller's, unless the plan chose them)."""
+
+    groups: list[list[int]]
+    partition_bytes: int
+    stagger: bool | None
+    server_credit_bytes: int | None
+    plan: Plan | None = None
+    cost_model: Any = None
+
+
+def _choose_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, compute: _Compute,
+                 groups: Sequence[Sequence[int]] | None, *, cost_model: CostModel | None, plan_search: bool,
+                 fusion_threshold_bytes: int, partition_bytes: int, credit_bytes: int,
+                 tail_credit_bytes: int | None, overlap_forward: bool | None, iterations: int,
+                 stagger: bool | None, server_credit_bytes: int | None) -> _Choice:
+    """``groups`` if given, else one group per tensor (planner ``none``), else the schedule's planner on the
+    tensors in ready order (``optimal`` with ``plan_search``: :func:`search_by_simulation`)."""
+    traits = SCHEDULE_TRAITS[schedule]
+    order, sizes = compute.order, compute.sizes
+    if groups is not None:
+        return _Choice(_check_groups(groups, len(sizes)), partition_bytes, stagger, server_credit_bytes)
+    if traits.planner == "none" or not sizes:
+        return _Choice([[i] for i in order], partition_bytes, stagger, server_credit_bytes)
+    if traits.planner == "threshold":
+        used_model = cost_model if cost_model is not None else LinearModel(0.0, 0.0)
+    else:
+        used_model = cost_model if cost_model is not None else calibrate_model(cluster)
+    judged_on = planner_model(traits.planner, used_model)
+    ordered_sizes, ordered_ready = [sizes[i] for i in order], [compute.ready_at[i] for i in order]
+    if traits.planner == "optimal" and plan_search and len(sizes) > 1:
+        chosen = search_by_simulation(model, cluster, schedule, order, ordered_sizes, ordered_ready, judged_on,
+                                      partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                                      tail_credit_bytes=tail_credit_bytes, overlap_forward=overlap_forward,
+                                      iterations=iterations)[0]
+    else:
+        chosen = plan(ordered_sizes, ordered_ready, judged_on, traits.planner,
+                      fusion_threshold_bytes=fusion_threshold_bytes)
+    return _Choice(groups=[[order[j] for j in g] for g in chosen.groups],
+                   partition_bytes=partition_bytes if chosen.partition_bytes is None else chosen.partition_bytes,
+                   stagger=chosen.stagger if stagger is None else stagger,
+                   server_credit_bytes=chosen.server_credit_bytes if server_credit_bytes is None
+                   else server_credit_bytes,
+                   plan=chosen, cost_model=used_model)
+
+
+def _flow_control(schedule: str, cluster: ClusterSpec, choice: _Choice, ready_at: Sequence[float],
+                  cost_model: CostModel | None, credit_bytes: int,
+                  tail_credit_bytes: int | None) -> tuple[int | None, SchedulePolicy]:
+    """The tail group (``schedule.tail_group``; None: no tail credit) and the send policy: priority and, for
+    partitioned schedules, the credit windows (``schedule.windows``), as the engine sets them."""
+    traits = SCHEDULE_TRAITS[schedule]
+    tail = None
+    if tail_credit_bytes is not None and traits.tail_credit:
+        tail_model = cost_model if cost_model is not None else choice.cost_model
+        if tail_model is None:
+            tail_model = calibrate_model(cluster)
+        tail = tail_group(choice.groups, ready_at, tail_model, credit_bytes)
+    policy = SchedulePolicy(priority=traits.priority)
+    if traits.partition:
+        policy.credit_bytes, policy.server_credit_bytes = windows(credit_bytes, choice.partition_bytes,
+                                                                  cluster.servers, choice.server_credit_bytes)
+    return tail, policy
+
+
+def _result(sim: _Sim, schedule: str, model: ModelSpec, cluster: ClusterSpec, iterations: int, choice: _Choice,
+            keys: list[KeyInfo], fold: int, orbits: int | None) -> SimResult:
+    """The SimResult of a finished run: the steady iteration time (every iteration's but the first, the
+    latest worker's start of layer 0's forward to the next), or ``inf`` if the run gave up."""
+    common = dict(schedule=schedule, groups=choice.groups, keys=keys, workers=cluster.workers,
+                  servers=cluster.servers, plan=choice.plan, cost_model=choice.cost_model, fold=fold,
+                  server_orbits=orbits)
+    if sim.gave_up:
+        return SimResult(iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[], **common)
+    starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
+    per_iteration = [b - a for a, b in zip(starts, starts[1:])]
+    steady = per_iteration[1:] if len(per_iteration) > 1 else per_iteration
+    iteration_s = sum(steady) / len(steady)
+    throughput = cluster.workers * model.batch_size / iteration_s if iteration_s > 0 else math.inf
+    events = sorted(sim.timeline, key=lambda e: (e.start, e.end))
+    return SimResult(iteration_s=iteration_s, throughput=throughput, iteration_times=per_iteration,
+                     timeline=events, **common)
+
+
 def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition_bytes: int = PARTITION_BYTES,
              credit_bytes: int = CREDIT_BYTES,
              tail_credit_bytes: int | None = TAIL_CREDIT_BYTES,
@@ -329,78 +467,25 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     has tracks for those only); False: every worker and server.
     See the module doc for the model.
     """
-    if schedule not in SCHEDULE_TRAITS:
-        raise ValueError(f"IMerge simulate: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if not isinstance(model, ModelSpec):
-        raise ValueError(f"IMerge simulate: model must be a ModelSpec, got {type(model).__name__}")
-    if not isinstance(cluster, ClusterSpec):
-        raise ValueError(f"IMerge simulate: cluster must be a ClusterSpec, got {type(cluster).__name__}")
-    model.check()
-    for name, value in (("partition_bytes", partition_bytes), ("credit_bytes", credit_bytes),
-                        ("fusion_threshold_bytes", fusion_threshold_bytes), ("iterations", iterations)):
-        _positive_int(name, value)
-    if cost_model is not None and not callable(getattr(cost_model, "time", None)):
-        raise ValueError("IMerge simulate: cost_model needs a time(nbytes) method")
+    _check_args(model, cluster, schedule, cost_model, partition_bytes=partition_bytes, credit_bytes=credit_bytes,
+                fusion_threshold_bytes=fusion_threshold_bytes, iterations=iterations)
     traits = SCHEDULE_TRAITS[schedule]
-    scale = cluster.time_scale
-    fwd = [layer.forward_s * scale for layer in model.layers]
-    bwd = [layer.backward_s * scale for layer in model.layers]
-    sizes = [int(b) for b in model.tensor_bytes]
-    layer_tensors: list[list[int]] = []
-    ready_at: list[float] = []  # from the start of backward: layer l is ready after layers L-1..l
-    suffix = list(itertools.accumulate(reversed(bwd)))[::-1]
-    start = 0
-    for index, layer in enumerate(model.layers):
-        n = len(layer.param_bytes)
-        layer_tensors.append(list(range(start, start + n)))
-        ready_at += [suffix[index]] * n
-        start += n
-    order = list(reversed(range(len(sizes))))  # ready order (ties inside a layer: later-registered first)
-    plan_result: Plan | None = None
-    used_model: Any = None
-    if groups is not None:
-        groups = _check_groups(groups, len(sizes))
-    elif traits.planner == "none" or not sizes:
-        groups = [[i] for i in order]
-    else:
-        if traits.planner == "threshold":
-            used_model = cost_model if cost_model is not None else LinearModel(0.0, 0.0)
-        else:
-            used_model = cost_model if cost_model is not None else calibrate_model(cluster)
-        judged_on = planner_model(traits.planner, used_model)
-        if traits.planner == "optimal" and plan_search and len(sizes) > 1:
-            plan_result = search_by_simulation(model, cluster, schedule, order, [sizes[i] for i in order],
-                                               [ready_at[i] for i in order], judged_on,
-                                               partition_bytes=partition_bytes, credit_bytes=credit_bytes,
-                                               tail_credit_bytes=tail_credit_bytes,
-                                               overlap_forward=overlap_forward, iterations=iterations)[0]
-        else:
-            plan_result = plan([sizes[i] for i in order], [ready_at[i] for i in order], judged_on,
-                               traits.planner, fusion_threshold_bytes=fusion_threshold_bytes)
-        groups = [[order[j] for j in g] for g in plan_result.groups]
-        if plan_result.partition_bytes is not None:
-            partition_bytes = plan_result.partition_bytes
-        if stagger is None and plan_result.stagger is not None:
-            stagger = plan_result.stagger
-        if server_credit_bytes is None:
-            server_credit_bytes = plan_result.server_credit_bytes
-    group_keys, keys = _layout(groups, sizes, partition_bytes if traits.partition else None, cluster, cpu_deadline)
-    staggered = traits.stagger if stagger is None else bool(stagger)
+    compute = _compute(model, cluster)
+    choice = _choose_plan(model, cluster, schedule, compute, groups, cost_model=cost_model, plan_search=plan_search,
+                          fusion_threshold_bytes=fusion_threshold_bytes, partition_bytes=partition_bytes,
+                          credit_bytes=credit_bytes, tail_credit_bytes=tail_credit_bytes,
+                          overlap_forward=overlap_forward, iterations=iterations, stagger=stagger,
+                          server_credit_bytes=server_credit_bytes)
+    group_keys, keys = _layout(choice.groups, compute.sizes, choice.partition_bytes if traits.partition else None,
+                               cluster, cpu_deadline)
+    staggered = traits.stagger if choice.stagger is None else bool(choice.stagger)
     fold = fold_factor(cluster, staggered) if fold_workers else 1
     orbits = server_orbits(cluster, fold, staggered)
-    tail = None
-    if tail_credit_bytes is not None and traits.tail_credit:
-        tail_model = cost_model if cost_model is not None else used_model
-        if tail_model is None:
-            tail_model = calibrate_model(cluster)
-        tail = tail_group(groups, ready_at, tail_model, credit_bytes)
-    policy = SchedulePolicy(priority=traits.priority)
-    if traits.partition:
-        policy.credit_bytes, policy.server_credit_bytes = windows(credit_bytes, partition_bytes, cluster.servers,
-                                                                  server_credit_bytes)
-    sim = _make_sim(fwd=fwd, bwd=bwd, layer_names=[layer.name for layer in model.layers],
-                    layer_tensors=layer_tensors, groups=groups, keys=keys, group_keys=group_keys, cluster=cluster,
-                    priority=traits.priority, stagger=staggered,
+    tail, policy = _flow_control(schedule, cluster, choice, compute.ready_at, cost_model, credit_bytes,
+                                 tail_credit_bytes)
+    sim = _make_sim(fwd=compute.fwd, bwd=compute.bwd, layer_names=[layer.name for layer in model.layers],
+                    layer_tensors=compute.layer_tensors, groups=choice.groups, keys=keys, group_keys=group_keys,
+                    cluster=cluster, priority=traits.priority, stagger=staggered,
                     credit=policy.credit_bytes, server_credit=policy.server_credit_bytes,
                     tail_group=tail, tail_credit=tail_credit_bytes,
                     push_after_backward=traits.push_after_backward,
@@ -412,17 +497,4 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     if cpu_deadline is not None and time.thread_time() > cpu_deadline:  # the key layout above took it
         raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
     sim.run()
-    if sim.gave_up:
-        return SimResult(schedule=schedule, iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[],
-                         groups=groups, keys=keys, workers=cluster.workers, servers=cluster.servers, plan=plan_result,
-                         cost_model=used_model, fold=fold, server_orbits=orbits)
-    starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
-    per_iteration = [b - a for a, b in zip(starts, starts[1:])]
-    steady = per_iteration[1:] if len(per_iteration) > 1 else per_iteration
-    iteration_s = sum(steady) / len(steady)
-    throughput = cluster.workers * model.batch_size / iteration_s if iteration_s > 0 else math.inf
-    events = sorted(sim.timeline, key=lambda e: (e.start, e.end))
-    return SimResult(schedule=schedule, iteration_s=iteration_s, throughput=throughput,
-                     iteration_times=per_iteration, timeline=events, groups=groups, keys=keys,
-                     workers=cluster.workers, servers=cluster.servers, plan=plan_result, cost_model=used_model,
-                     fold=fold, server_orbits=orbits)
+    return _result(sim, schedule, model, cluster, iterations, choice, keys, fold, orbits)

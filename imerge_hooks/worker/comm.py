@@ -8,7 +8,8 @@ group's partition sequence at server r % S. At most ``credit_bytes`` of pushes a
 for other keys while the plan's urgent last group is due; ``schedule``). A key whose data is not
 ready yet (CUDA: its gradients' events have not completed, ``Group.slot_ready``) waits outside the
 queues while the thread goes on with every other key, result and poll; the thread never waits on
-the device. Errors are kept and re-raised in the thread that waits.
+the device. Errors are kept and re-raised in the thread that waits. Host aggregation (the workers of
+a host sum each key before its owner pushes it) lives in ``host_exchange``; this thread drives it.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..cluster.devices import adopt_bound_device
 from ..core._mpi import MPI
 from ..core.errors import IMergeError, IMergeTimeoutError
-from ..core.layout import key_owner
 from ..core.polling import Backoff
 from ..core.requests import PendingRequests
-from ..core.wire import ROUND_TAGS, TAG_ERROR, TAG_HOST_SHUTDOWN, key_tag, split_key_tag
+from ..core.wire import TAG_ERROR, key_tag
 from .group import Group
+from .host_exchange import HostExchange
 from .schedule import Flow, Flows, SchedulePolicy, key_slots
 
 log = logging.getLogger("imerge")
@@ -64,20 +65,6 @@ class _InFlight:
     send_done: bool = False
 
 
-@dataclass
-class _Local:
-    """One key's traffic inside the host (host aggregation). ``gather``: the key's owner receives
-    the other local workers' gradients; ``forward``: it hands them the result; ``contribute``:
-    another worker sends the owner its gradient and receives the result from it."""
-
-    task: _Task
-    kind: str
-    peers: list[int]  # local ranks, one per request
-    started: float
-    left: int
-    done: set = field(default_factory=set)  # peers whose request completed
-
-
 class CommThread:
     """Owns every data-plane MPI call of one worker process."""
 
@@ -87,15 +74,6 @@ class CommThread:
                  host_comm: MPI.Comm | None = None, host_workers: list[int] | None = None,
                  describe: Callable[[int], str] | None = None) -> None:
         self.comm = comm
-        # Host aggregation: the workers of this host (world ranks, local order) and their communicator.
-        self.host_comm = host_comm
-        self.host_workers = list(host_workers or [worker_rank])
-        self.host_size = len(self.host_workers) if host_comm is not None else 1
-        self.local_rank = self.host_workers.index(worker_rank) if host_comm is not None else 0
-        self.describe = describe or (lambda rank: f"worker {rank}")
-        self._local = PendingRequests()  # requests of _Local operations, owned by (op, peer)
-        self._local_ops: dict[int, _Local] = {}  # id(op) -> op
-        self._gone: set[int] = set()  # local ranks that shut down (TAG_HOST_SHUTDOWN)
         self.rank = worker_rank
         self.num_workers = num_workers
         self.num_servers = num_servers
@@ -108,6 +86,16 @@ class CommThread:
         self._active: dict[int, Group] = {}  # id(group) -> group, while submitted and not done
         self._flows = Flows()  # each engine's ready keys and credit (comm thread only)
         self._unready: list[tuple[_Task, Callable[[_Task], None]]] = []  # keys whose data is not ready, and what then
+        # Host aggregation, where this worker's host communicator (``host_workers``: world ranks, local
+        # order) holds other workers. An owner gives up on a missing gradient before the server's stall
+        # clock (which would blame the owner); a forward or contribution waits past a push's deadline.
+        self._host: HostExchange | None = None
+        if host_comm is not None and len(host_workers or [worker_rank]) > 1:
+            self._host = HostExchange(
+                host_comm, host_workers, worker_rank, describe or (lambda rank: f"worker {rank}"),
+                gather_timeout_s=max(timeout_s - SERVER_FIRST_S, timeout_s / 2),
+                result_timeout_s=timeout_s + 2 * SERVER_FIRST_S,
+                when_ready=self._when_ready, push=_queue, finish=self._finish)
         self._thread = threading.Thread(target=self._run, name="imerge-comm", daemon=True)
         self._stopped = threading.Event()
         self._wake = threading.Event()  # set by submit()/stop(): ends the comm thread's back-off sleep
@@ -163,12 +151,14 @@ class CommThread:
         # Pushes to one server complete in order; results come back roughly in push order.
         sends = PendingRequests(window=4 * self.num_servers)
         recvs = PendingRequests(window=8 * self.num_servers)
+        host = self._host
         backoff = Backoff(sleep=self._nap)
         last_check = time.monotonic()
         try:
             while True:
                 # 1. take new groups
-                idle = not flows.waiting and not inflight and not self._local_ops and not self._unready
+                local = host is not None and host.pending
+                idle = not flows.waiting and not inflight and not local and not self._unready
                 if not self._take_groups(flows, block=idle):
                     self._stopped.set()
                     return
@@ -176,20 +166,21 @@ class CommThread:
                 progressed = self._poll_unready() if self._unready else False
                 progressed = self._start_ready(flows, inflight, sends, recvs) or progressed
                 progressed = self._retire_done(inflight, sends, recvs) or progressed
-                if self._local_ops:
-                    progressed = self._retire_local() or progressed
+                if host is not None:
+                    progressed = host.progress() or progressed
                 # 4. errors from servers and timeouts
                 now = time.monotonic()
                 if now - last_check > 0.2:
                     last_check = now
                     self._check_server_errors()
                     self._check_timeouts(inflight, now)
-                    if self._local_ops:
-                        self._check_local(now)
+                    if host is not None:
+                        host.check(now)
+                local = host is not None and host.pending
                 if progressed:
                     backoff.reset()
-                elif inflight or self._local_ops:
-                    oldest = next(iter(inflight.values() or self._local_ops.values())).started
+                elif inflight or local:
+                    oldest = next(iter(inflight.values())).started if inflight else host.oldest_started()
                     backoff.idle(now - oldest)
                 elif self._unready:  # only the device to wait for: short naps
                     backoff.idle()
@@ -260,53 +251,6 @@ class CommThread:
                 self._pushed(op)
         return progressed
 
-    # ------------------------------------------------------------------ host aggregation
-    def _start_local(self, task: _Task, kind: str, started: float | None = None) -> None:
-        """Start ``kind`` (see ``_Local``) for ``task``'s key on the host communicator."""
-        group, comm = task.group, self.host_comm
-        spec = group.keys[task.slot]
-        start, end = group.key_ranges[task.slot]
-        tag = key_tag(spec.key, group.round)
-        owner = key_owner(spec.key, self.host_size)
-        if kind == "contribute":
-            peers = [owner, owner]
-            requests = [comm.Irecv(group.recv_buffer(task.slot), source=owner, tag=tag),
-                        comm.Isend(group.send_buffer(task.slot), dest=owner, tag=tag)]
-        else:
-            peers = [m for m in range(self.host_size) if m != self.local_rank]
-            if kind == "gather":
-                scratch, n = group.gather_buffer(task.slot, len(peers)), end - start
-                requests = [comm.Irecv(group.mpi_buffer(scratch, i * n, (i + 1) * n), source=m, tag=tag)
-                            for i, m in enumerate(peers)]
-            else:
-                result = group.mpi_buffer(group.result, start, end)
-                requests = [comm.Isend(result, dest=m, tag=tag) for m in peers]
-        op = _Local(task, kind, peers, time.monotonic() if started is None else started, len(requests))
-        self._local_ops[id(op)] = op
-        for peer, request in zip(peers, requests):
-            self._local.add(request, (op, peer))
-
-    def _retire_local(self) -> bool:
-        """Advance the host's operations whose requests finished (one progress call); True if any."""
-        finished = self._local.completed(full=True)
-        for op, peer in finished:
-            op.left -= 1
-            op.done.add(peer)
-            if op.left:
-                continue
-            del self._local_ops[id(op)]
-            task = op.task
-            if op.kind == "gather":  # the host's gradients are in; once its own is, the sum goes like any push
-                self._when_ready(task, lambda t, parts=len(op.peers): self._push_sum(t, parts))
-            else:
-                self._finish(task, op.started)
-        return bool(finished)
-
-    def _push_sum(self, task: _Task, parts: int) -> None:
-        """Host aggregation, the key's owner: add its host's gradients to its own; the sum waits for credit."""
-        task.buffer = task.group.add_contributions(task.slot, parts)
-        _queue(task)
-
     # ------------------------------------------------------------------ data readiness
     def _when_ready(self, task: _Task, then: Callable[[_Task], None]) -> None:
         """``then(task)`` now if the key's data is ready (``Group.slot_ready``), else once it is."""
@@ -326,61 +270,6 @@ class CommThread:
             else:
                 self._unready.append((task, then))
         return progressed
-
-    def _check_local(self, now: float) -> None:
-        """Name the local worker a key waits for past its deadline: a gather gives up first (before
-        the server's stall clock, so the worker that failed is named, not the owner that waits for it)."""
-        for op in self._local_ops.values():
-            spec = op.task.group.keys[op.task.slot]
-            late = now - op.started
-            missing = sorted({self.host_workers[p] for p in op.peers if p not in op.done})
-            who = ", ".join(self.describe(r) for r in missing)
-            if op.kind == "gather" and late > max(self.timeout_s - SERVER_FIRST_S, self.timeout_s / 2):
-                raise IMergeTimeoutError(
-                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: no gradient of "
-                    f"{spec.describe()} from {who} after {late:.0f} s (host aggregation: the workers of a host sum "
-                    "each key before one of them pushes it); it is dead or stuck")
-            if op.kind != "gather" and late > self.timeout_s + 2 * SERVER_FIRST_S:
-                what = "did not take the result of" if op.kind == "forward" else "sent no result for"
-                raise IMergeTimeoutError(
-                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: {who} {what} "
-                    f"{spec.describe()} after {late:.0f} s; a worker or server may be dead or stuck")
-        self._check_mates_rounds()
-        self._check_mates_gone()
-
-    def _check_mates_gone(self) -> None:
-        """A local worker shut down while this one waits for it: it ran out of data without join()."""
-        status = MPI.Status()
-        while self.host_comm.Iprobe(MPI.ANY_SOURCE, TAG_HOST_SHUTDOWN, status):
-            self.host_comm.recv(source=status.Get_source(), tag=TAG_HOST_SHUTDOWN)
-            self._gone.add(status.Get_source())
-        for op in self._local_ops.values():
-            waited = [p for p in op.peers if p in self._gone and p not in op.done]
-            if waited:
-                raise IMergeError(
-                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: "
-                    f"{self.describe(self.host_workers[waited[0]])} shut down while this worker still trains "
-                    f"({op.task.group.keys[op.task.slot].describe()} waits for it); a worker that runs out of data "
-                    "must call imerge_hooks.join()")
-
-    def _check_mates_rounds(self) -> None:
-        """A local worker's gradient for a key this worker gathers, but of another step: it is out of step."""
-        gathering = {(op.task.group.keys[op.task.slot].key, p): op for op in self._local_ops.values()
-                     if op.kind == "gather" for p in op.peers if p not in op.done}
-        status = MPI.Status()
-        for peer in sorted({p for _, p in gathering}):
-            if not self.host_comm.Iprobe(peer, MPI.ANY_TAG, status):
-                continue
-            key, round_number = split_key_tag(status.Get_tag())
-            op = gathering.get((key, peer))
-            if op is not None and round_number != op.task.group.round % ROUND_TAGS:
-                raise IMergeError(
-                    f"IMerge {self.describe(self.host_workers[self.local_rank])}: "
-                    f"{self.describe(self.host_workers[peer])} sent its gradient of "
-                    f"{op.task.group.keys[op.task.slot].describe()} for another step than this worker's (round "
-                    f"{round_number} against {op.task.group.round % ROUND_TAGS}, modulo {ROUND_TAGS}): workers "
-                    "are out of step (one skipped a backward before step(), or called step() or backward() a "
-                    "different number of times)")
 
     def _check_timeouts(self, inflight: dict[int, _InFlight], now: float) -> None:
         for op in inflight.values():
@@ -410,15 +299,12 @@ class CommThread:
         prio = group.priority if policy.priority else 0
         for slot in slots:
             task = _Task(group, slot, flow, prio)
-            if self.host_size == 1:
+            if self._host is None:
                 self._when_ready(task, _queue)
-            elif key_owner(group.keys[slot].key, self.host_size) == self.local_rank:
-                self._start_local(task, "gather")  # receives only; its own gradient is read when the others are in
+            elif self._host.owns(group.keys[slot].key):
+                self._host.gather(task)  # receives only; its own gradient is read when the others are in
             else:
-                self._when_ready(task, self._contribute)
-
-    def _contribute(self, task: _Task) -> None:
-        self._start_local(task, "contribute")
+                self._when_ready(task, self._host.contribute)
 
     def _start(self, task: _Task) -> _InFlight:
         spec = task.group.keys[task.slot]
@@ -435,8 +321,8 @@ class CommThread:
 
     def _pushed(self, op: _InFlight) -> None:
         """A push and its result are done: the key is finished, or its owner hands its host the result."""
-        if self.host_size > 1:
-            self._start_local(op.task, "forward", op.started)
+        if self._host is not None:
+            self._host.forward(op.task, op.started)
         else:
             self._finish(op.task, op.started)
 

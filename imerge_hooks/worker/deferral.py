@@ -35,11 +35,11 @@ PER_PARAMETER_OPTIMIZERS = (
 )
 
 
-def _step_owner(optimizer: torch.optim.Optimizer) -> type | None:
-    """The class whose ``step`` runs when IMerge's step calls ``super().step()``."""
-    mro = type(optimizer).__mro__
-    mixin = next((i for i, cls in enumerate(mro) if cls.__dict__.get("_imerge_mixin")), -1)
-    return next((cls for cls in mro[mixin + 1:] if "step" in cls.__dict__), None)
+def _step_owner(cls: type) -> type | None:
+    """The class whose ``step`` runs when IMerge's step calls ``super().step()`` on an instance of ``cls``."""
+    mro = cls.__mro__
+    mixin = next((i for i, base in enumerate(mro) if base.__dict__.get("_imerge_mixin")), -1)
+    return next((base for base in mro[mixin + 1:] if "step" in base.__dict__), None)
 
 
 def _builtin(cls: type | None) -> bool:
@@ -47,14 +47,34 @@ def _builtin(cls: type | None) -> bool:
             and cls.__name__ in PER_PARAMETER_OPTIMIZERS)
 
 
+_classes: dict[type, tuple[str | None, Callable | None]] = {}  # optimizer class -> (blocker, torch's own step)
+
+
+def _class_facts(cls: type) -> tuple[str | None, Callable | None]:
+    """Why instances of ``cls`` cannot defer their step whatever hooks they have (None: they can), and
+    torch's own update of the class without its hook wrapper; read once per class (a class's methods are
+    its own for the life of the process)."""
+    facts = _classes.get(cls)
+    if facts is None:
+        owner = _step_owner(cls)
+        if _builtin(owner):
+            step = owner.__dict__["step"]
+            facts = None, (getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step)
+        elif owner is not None and not owner.__module__.startswith("torch.optim"):
+            facts = f"{owner.__qualname__} overrides step() (it must see every parameter at once)", None
+        else:
+            facts = (f"{cls.__qualname__} is not one of torch's per-parameter optimizers "
+                     f"({', '.join(PER_PARAMETER_OPTIMIZERS)})"), None
+        _classes[cls] = facts
+    return facts
+
+
 def deferral_blocker(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why ``optimizer``'s step cannot be split over the next forward exactly (None: it can)."""
-    owner = _step_owner(optimizer)
-    if not _builtin(owner):
-        name = type(optimizer).__qualname__
-        if owner is not None and not owner.__module__.startswith("torch.optim"):
-            return f"{owner.__qualname__} overrides step() (it must see every parameter at once)"
-        return f"{name} is not one of torch's per-parameter optimizers ({', '.join(PER_PARAMETER_OPTIMIZERS)})"
+    """Why ``optimizer``'s step cannot be split over the next forward exactly (None: it can). Step hooks
+    can come and go any time, so they are looked at on every call (four dict tests)."""
+    why = _class_facts(type(optimizer))[0]
+    if why is not None:
+        return why
     hooks = [("register_step_pre_hook", optimizer._optimizer_step_pre_hooks),
              ("register_step_post_hook", optimizer._optimizer_step_post_hooks),
              ("torch.optim.optimizer.register_optimizer_step_pre_hook", torch_optimizer._global_optimizer_pre_hooks),
@@ -69,8 +89,10 @@ def deferral_blocker(optimizer: torch.optim.Optimizer) -> str | None:
 
 def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
     """torch's own update of ``optimizer``'s class, without the wrapper that runs step hooks."""
-    step = _step_owner(optimizer).__dict__["step"]
-    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+    step = _class_facts(type(optimizer))[1]
+    if step is None:
+        raise RuntimeError(f"IMerge internal: {type(optimizer).__qualname__}'s step cannot be deferred")
+    return step
 
 
 class DeferredStep:
@@ -86,8 +108,7 @@ class DeferredStep:
         self.engine = engine
         self.fired = fired
         self.hparams = [{k: _copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        self.pending: dict[int, int] = {id(p): i for i, p in enumerate(engine.params)  # id(param) -> index
-                                        if engine.views[i] is not None}
+        self.pending: dict[int, int] = engine.laid_out.copy()  # id(param) -> index
         self.total = len(self.pending)
         self.by_gates = 0  # updates the forward's gates applied (the rest did not overlap)
         self.zero_after: dict[int, bool] = {}  # index -> set_to_none: zero_grad() ran while it was pending

@@ -12,17 +12,16 @@ import dataclasses
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ..cluster import collectives, devices, session
+from ..cluster import collectives, session
 from ..core.config import Config
 from ..core.errors import IMergeUsageError
-from ..core.layout import cut_keys, dtype_name, names_in_range, wire_dtype
-from ..core.memory import Arena
-from ..core.wire import SUPPORTED_DTYPES, KeySpec
+from ..core.layout import dtype_name
 from . import key_table, streams
+from .buffers import build_layout, count_keys
 from .deferral import DeferredStep, Overlap
 from .group import Group
 from .schedule import SchedulePolicy
@@ -82,6 +81,8 @@ class GradientEngine:
         # Called with each group as it is submitted: returns a one-shot fn(error_or_None) the comm
         # thread runs when the group completes (the DDP hook resolves its futures with it).
         self.on_complete = None
+        # The front end's handling of a sparse gradient (fn(param) -> dense gradient, or raises); None: refused.
+        self.sparse_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._hooks: dict[int, object] = {}
         self._connect()
 
@@ -209,65 +210,21 @@ class GradientEngine:
         self._spare_views = []
         placement = self.topo.placement()
         key_ids = iter(key_table.allocate_keys(self._count_keys(plan)))
-        groups: list[Group] = []
-        views: list[torch.Tensor | None] = [None] * len(self.params)
-        spare: list[torch.Tensor | None] = [None] * len(self.params)  # views into swap groups' result
-        shapes = []  # (dtype, device, numel, wire dtype) per group
-        for gi, members in enumerate(plan):
-            dtypes = {self.params[i].dtype for i in members}
-            devices = {self.params[i].device for i in members}
-            if len(dtypes) != 1 or len(devices) != 1:
-                raise ValueError(f"IMerge: plan group {gi} mixes dtypes/devices {dtypes} {devices}; "
-                                 "groups must be homogeneous")
-            dtype, device = dtypes.pop(), devices.pop()
-            # + one element per tensor, the push's "this worker has a gradient" flags (``had_gradient``),
-            # and one, "this worker trains" (0 while it waits in join(): ``shadow_round``)
-            shapes.append((dtype, device, sum(self.params[i].numel() for i in members) + len(members) + 1,
-                           wire_dtype(dtype, self.cfg.compression)))
-        # Host buffers of CPU groups come from two huge-page arenas (gradients, results).
-        flats = iter(Arena([(n, d) for d, dev, n, _ in shapes if dev.type == "cpu"]).tensors)
-        results = iter(Arena([(n, w) for _, dev, n, w in shapes if dev.type == "cpu"]).tensors)
-        for gi, members in enumerate(plan):
-            dtype, device, total, wire = shapes[gi]
-            flat = next(flats) if device.type == "cpu" else self._device_buffer(total, dtype, device)
-            spans = []
-            offset = 0
-            for i in members:
-                p = self.params[i]
-                view = flat[offset:offset + p.numel()].view_as(p)
-                if p.grad is not None:  # a parameter without a gradient keeps None
-                    view.copy_(p.grad)
-                    p.grad = view
-                views[i] = view
-                spans.append((self.names[i], offset, p.numel()))
-                self.group_of[i] = gi
-                self._presence_slot[i] = len(spans) - 1
-                offset += p.numel()
-            if device.type == "cpu":
-                swap = wire == dtype
-                result = next(results)
-                staging = None if swap else torch.empty(total, dtype=wire)
-            else:
-                swap = False
-                result, staging = self._device_exchange_buffers(total, dtype, wire, device)
-            if swap:
-                for i, (_, off, n) in zip(members, spans):
-                    spare[i] = result[off:off + n].view_as(self.params[i])
-            ranges = cut_keys(total, wire.itemsize, self.partition_limit, self.topo.key_spread)
-            keys = []
-            for start, end in ranges:
-                nbytes = (end - start) * wire.itemsize
-                keys.append(KeySpec(next(key_ids), nbytes, SUPPORTED_DTYPES[wire], placement.place(nbytes),
-                                    names_in_range(spans, start, end)))
-            groups.append(Group(index=gi, flat=flat, result=result, keys=keys, key_ranges=ranges,
-                                priority=min(members), names=tuple(self.names[i] for i in members),
-                                staging=staging, members=list(members), swap=swap, presence_at=offset))
+        built = build_layout(self.params, self.names, plan, self.cfg.compression, self.partition_limit,
+                             self.topo.key_spread, placement, key_ids, self.topo.aggregate_in_host)
+        groups = built.groups
+        for i in range(len(self.params)):
+            if built.group_of[i] >= 0:
+                self.group_of[i], self._presence_slot[i] = built.group_of[i], built.presence_slot[i]
+        views, spare = built.views, built.spare
         if tail_group is not None and groups:
             groups[-1].urgent = True
             groups[tail_group].tail_keys = len(groups[-1].keys)
         self.groups = groups
         self.views = views
         self._spare_views = spare
+        # id(param) -> index of the parameters in this layout (a recorded step's pending updates start as it)
+        self.laid_out = {id(p): i for i, p in enumerate(self.params) if views[i] is not None}
         self.kinds = [(p.dtype, p.device) for p in self.params]  # what the buffers were built for
         self.group_arrived = [0] * len(groups)
         self.epoch = key_table.register_keys(self.client, [k for g in groups for k in g.keys],
@@ -276,23 +233,6 @@ class GradientEngine:
             log.info("IMerge worker %d: plan epoch %d, %d groups, %d keys, server load max/mean %.3f",
                      self.topo.worker_rank, self.epoch, len(groups), sum(len(g.keys) for g in groups),
                      placement.balance())
-
-    def _device_buffer(self, total: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A gradient or result buffer on a CUDA device, used on its copy stream as well."""
-        buffer = torch.zeros(total, dtype=dtype, device=device)
-        streams.keep_for_copies(buffer)
-        return buffer
-
-    def _device_exchange_buffers(self, total: int, dtype: torch.dtype, wire: torch.dtype,
-                                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A CUDA group's (result, staging): on the device where MPI reads device memory (staging only
-        to convert to the wire dtype), else in pinned host memory, so the copies are asynchronous.
-        Host aggregation sums on the host, so it stages."""
-        if devices.mpi_reads_device() and not self.topo.aggregate_in_host:
-            staging = None if wire == dtype else self._device_buffer(total, wire, device)
-            return self._device_buffer(total, wire, device), staging
-        return (torch.zeros(total, dtype=wire, pin_memory=True),
-                torch.empty(total, dtype=wire, pin_memory=True))
 
     def set_policy(self, **changes: object) -> None:
         """Change how this engine's groups are pushed from the next submission on (fields of
@@ -305,12 +245,7 @@ class GradientEngine:
         return self.partition_bytes if self.cfg.traits.partition else None
 
     def _count_keys(self, plan: list[list[int]]) -> int:
-        count = 0
-        for members in plan:
-            total = sum(self.params[i].numel() for i in members) + len(members) + 1  # + flags (set_layout)
-            size = wire_dtype(self.params[members[0]].dtype, self.cfg.compression).itemsize if members else 4
-            count += len(cut_keys(total, size, self.partition_limit, self.topo.key_spread))
-        return count
+        return count_keys(self.params, plan, self.cfg.compression, self.partition_limit, self.topo.key_spread)
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -328,6 +263,8 @@ class GradientEngine:
         view = self.views[i]
         grad = param.grad
         if grad is not view:
+            if grad.is_sparse and self.sparse_gradient is not None:
+                grad = self.sparse_gradient(param)  # made dense, or refused naming the tensor
             if grad.dtype != view.dtype or grad.is_sparse:
                 raise TypeError(f"IMerge worker {self.topo.worker_rank}: gradient of {self.names[i]!r} is "
                                 f"{'sparse ' if grad.is_sparse else ''}{grad.dtype}, expected dense {view.dtype}")
@@ -520,9 +457,7 @@ class GradientEngine:
                     self.without_gradient.add(i)
         for group in self.groups:
             group.submitted = False
-        self.counts = [0] * len(self.params)
-        self.group_arrived = [0] * len(self.groups)
-        self.backward_started = None
+        self._clear_round()
         self.iteration += 1
         self.overlap.learn()
         for listener in list(self.listeners):
@@ -547,10 +482,15 @@ class GradientEngine:
                 f"IMerge worker {self.topo.worker_rank}: zero_grad() called while gradients are being pushed "
                 "to the servers; call optimizer.step() or optimizer.synchronize() first")
         if self.pending_gradients:
-            self.counts = [0] * len(self.params)
-            self.group_arrived = [0] * len(self.groups)
-            self.backward_started = None
+            self._clear_round()
         self._clear_gradients(set_to_none)
+
+    def _clear_round(self) -> None:
+        """Forget this round's arrivals (the gradients counted, the groups' arrivals, the backward's start):
+        the round ended (``finish_iteration``, ``defer_step``) or was dropped (``zero_grad``)."""
+        self.counts = [0] * len(self.params)
+        self.group_arrived = [0] * len(self.groups)
+        self.backward_started = None
 
     def _clear_gradients(self, set_to_none: bool, skip: set[int] = frozenset()) -> None:
         for i, (p, view) in enumerate(zip(self.params, self.views)):
@@ -594,10 +534,8 @@ class GradientEngine:
         self.flush_deferred("the next step()")
         self.push_remaining()
         self._record_backward()
-        fired = list(self.counts)
-        self.counts = [0] * len(self.params)
-        self.group_arrived = [0] * len(self.groups)
-        self.backward_started = None
+        fired = self.counts  # _clear_round makes a new list
+        self._clear_round()
         self.iteration += 1
         self.overlap.defer(optimizer, fired)
 
