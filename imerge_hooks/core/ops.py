@@ -37,6 +37,19 @@ def reduce_op(op: Any, where: str = "IMerge") -> ReduceOp:
     return value
 
 
+SUMMING_OPS = (ReduceOp.Average, ReduceOp.Sum)
+
+
+def summing_op(op: Any, where: str) -> ReduceOp:
+    """``op`` as a ReduceOp that a sum gives (Average or Sum): what the servers do with gradients, and what a
+    sparse allreduce's gathered values add up to. Anything else raises IMergeConfigError naming ``where``."""
+    value = reduce_op(op, where)
+    if value not in SUMMING_OPS:
+        raise IMergeConfigError(f"{where}: op={value.name} is not supported: the values are summed; use "
+                                "op=imerge_hooks.Average or op=imerge_hooks.Sum")
+    return value
+
+
 def resolve_op(op: Any, average: bool | None, where: str = "IMerge") -> ReduceOp:
     """Horovod's ``average=`` (deprecated) and ``op=`` rule: only one of them; default Average."""
     if op is not None and average is not None:

@@ -120,15 +120,24 @@ class IMergeHookState:
         self.iteration_open = False
         self.outstanding: dict[int, tuple[torch.Tensor, torch.futures.Future]] = {}  # this iteration's buckets
         self.collected: dict[int, tuple] = {}  # buckets of a new layout, pushed once the last one is in
+        self.described: dict[int, tuple[tuple, tuple]] = {}  # bucket index -> (its tensors' ids, its signature)
         self.attached = True
 
     def _describe(self, bucket: dist.GradBucket) -> tuple:
+        """The bucket's (numel, dtype, device, tensor names): what tells a rebuilt bucket from the one the engine
+        has. Named once per bucket layout: the same tensors in the same buffer give the same signature."""
         buffer = bucket.buffer()
-        names = tuple(self.names.get(id(p), f"bucket{bucket.index()}.param{j}")
-                      for j, p in enumerate(bucket.parameters()))
-        dtype_name(buffer.dtype, names[0] if names else "?", f"worker {self.topo.worker_rank}, DDP bucket "
-                   f"{bucket.index()}")
-        return buffer.numel(), buffer.dtype, buffer.device, names
+        params = bucket.parameters()
+        index = bucket.index()
+        ids = (buffer.data_ptr(), buffer.numel(), buffer.dtype, buffer.device, *map(id, params))
+        known = self.described.get(index)
+        if known is not None and known[0] == ids:
+            return known[1]
+        names = tuple(self.names.get(id(p), f"bucket{index}.param{j}") for j, p in enumerate(params))
+        dtype_name(buffer.dtype, names[0] if names else "?", f"worker {self.topo.worker_rank}, DDP bucket {index}")
+        signature = buffer.numel(), buffer.dtype, buffer.device, names
+        self.described[index] = ids, signature
+        return signature
 
     # ------------------------------------------------------------------ one bucket
     # The engine's tensors are the buckets in forward order (tensor j is bucket count-1-j, as

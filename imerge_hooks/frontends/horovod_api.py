@@ -56,7 +56,7 @@ from ..core.errors import (
     IMergeTimeoutError,
     IMergeUsageError,
 )
-from ..core.ops import ReduceOp, reduce_op, resolve_op
+from ..core.ops import SUMMING_OPS, ReduceOp, reduce_op, resolve_op, summing_op
 from ..core.polling import DeadlineWait
 from . import device_collectives
 from .process_api import check_process_set, global_process_set
@@ -286,7 +286,7 @@ def _reduced(kind: str, tensors: Sequence[torch.Tensor], name: str | None, op: R
     meta = {"shapes": [_describe(t)[0] for t in tensors] if problem is None else [],
             "dtypes": [_describe(t)[1] for t in tensors] if problem is None else [], "op": op.name}
     joined = None  # what a worker waiting in join() adds: zeros, as Horovod's joined ranks (Sum and Average only)
-    if problem is None and op in (ReduceOp.Average, ReduceOp.Sum):
+    if problem is None and op in SUMMING_OPS:
         joined = collectives.ZerosPart(meta, _MPI_OPS[op], tuple((tuple(t.shape), _numpy_dtype(t.dtype))
                                                                  for t in tensors))
     group = device_collectives.device_group(tensors, reduce=True) if problem is None else None
@@ -572,10 +572,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     indices and values allgathered (as ops ``{name}.indices`` and ``{name}.values``) into one
     uncoalesced sparse tensor. Run now; returns a callable that returns the result, as Horovod's."""
     check_process_set(process_set, "sparse_allreduce_async")
-    op = reduce_op(op, "sparse_allreduce_async")
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise IMergeArgumentError(f"{whoami()}: sparse_allreduce_async of {name!r}: op={op.name} is not supported "
-                                  "(use Average or Sum)")
+    op = summing_op(op, f"{whoami()}: sparse_allreduce_async of {name!r}")
     if not (isinstance(tensor, torch.Tensor) and tensor.is_sparse):
         raise IMergeArgumentError(f"{whoami()}: sparse_allreduce_async of {name!r}: expected a sparse COO tensor, "
                                   f"got {tensor if not isinstance(tensor, torch.Tensor) else tensor.layout}")

@@ -16,7 +16,7 @@ from ..core.compression import compression_name
 from ..core.config import Config
 from ..core.errors import IMergeConfigError, IMergeUsageError
 from ..core.layout import dtype_name
-from ..core.ops import ReduceOp, reduce_op
+from ..core.ops import ReduceOp, summing_op
 from ..core.wire import SUPPORTED_DTYPES
 from ..worker.engine import GradientEngine
 from .naming import module_names
@@ -283,10 +283,7 @@ def _build_engine(named: list, cfg: Config, factor: float, layouts: dict[int, in
 
 def _check_horovod_options(op: Any, predivide: float, num_groups: int, groups: Any, process_set: Any) -> ReduceOp:
     """Horovod's DistributedOptimizer arguments IMerge supports; the op to use."""
-    op = reduce_op(op, "IMerge: DistributedOptimizer")
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise IMergeConfigError(f"IMerge: DistributedOptimizer(op={op.name}) is not supported: the servers sum "
-                                "gradients; use op=imerge_hooks.Average or op=imerge_hooks.Sum")
+    op = summing_op(op, "IMerge: DistributedOptimizer")
     if isinstance(predivide, bool) or not isinstance(predivide, (int, float)) or not predivide > 0:
         raise IMergeConfigError(f"IMerge: gradient_predivide_factor must be a number > 0, got {predivide!r}")
     if predivide != 1.0 and op is not ReduceOp.Average:
