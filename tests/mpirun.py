@@ -28,9 +28,25 @@ class MPIRun:
 
     def check(self) -> MPIRun:
         if self.returncode != 0:
-            raise AssertionError(f"mpiexec exited {self.returncode}\n--- stdout ---\n{self.stdout[-6000:]}"
-                                 f"\n--- stderr ---\n{self.stderr[-6000:]}")
+            raise AssertionError(f"mpiexec exited {self.returncode}{self.broken_cases()}\n--- stdout ---\n"
+                                 f"{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-6000:]}")
         return self
+
+    def broken(self) -> dict[int, str]:
+        """World rank -> the case it started and did not finish (scripts mark cases with ``common.case``)."""
+        out = {}
+        for rank in self.ranks:
+            started = self.lines(rank, "CASE ")
+            if started and started[-1] not in self.lines(rank, "CASE-DONE"):
+                out[rank] = started[-1]
+        return out
+
+    def broken_cases(self) -> str:
+        """``broken()`` as the first line of a failure's message ('' when every started case finished)."""
+        broken = self.broken()
+        if not broken:
+            return ""
+        return ": " + "; ".join(f"case {name!r} broke on world rank {rank}" for rank, name in sorted(broken.items()))
 
     def lines(self, rank: int, prefix: str) -> list[str]:
         return [line[len(prefix):].strip() for line in self.ranks.get(rank, "").splitlines()
@@ -134,14 +150,19 @@ def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None =
         # Our timeout, pytest-timeout's (signal method: pytest.fail, a BaseException raised in this
         # wait), Ctrl-C, any error: the whole job goes, never left running behind the test.
         out, err = kill_job(proc)
+        cases = _parse(-1, out, err).broken_cases()
         if isinstance(exc, subprocess.TimeoutExpired):
-            raise AssertionError(f"mpiexec -n {n} {script} timed out after {timeout} s\n--- stdout ---\n"
+            raise AssertionError(f"mpiexec -n {n} {script} timed out after {timeout} s{cases}\n--- stdout ---\n"
                                  f"{out[-4000:]}\n--- stderr ---\n{err[-4000:]}") from None
-        exc.add_note(f"mpiexec -n {n} {script} was killed (process group {proc.pid})\n--- stdout ---\n"
+        exc.add_note(f"mpiexec -n {n} {script} was killed (process group {proc.pid}){cases}\n--- stdout ---\n"
                      f"{out[-4000:]}\n--- stderr ---\n{err[-4000:]}")
         raise
+    return _parse(proc.returncode, out, err)
+
+
+def _parse(returncode: int, out: str, err: str) -> MPIRun:
     ranks: dict[int, list[str]] = {}
-    for line in out.splitlines():  # scripts tag their lines "@<world rank> ..." (see tests/scripts/common.py)
+    for line in (out or "").splitlines():  # scripts tag their lines "@<world rank> ..." (tests/scripts/common.py)
         if line.startswith("@"):
             tag, _, rest = line.partition(" ")
             try:
@@ -149,4 +170,4 @@ def run_mpi(script: str | os.PathLike, n: int, *args: str, servers: int | None =
             except ValueError:
                 continue
             ranks.setdefault(rank, []).append(rest)
-    return MPIRun(proc.returncode, out, err, {r: "\n".join(v) for r, v in ranks.items()})
+    return MPIRun(returncode, out, err, {r: "\n".join(v) for r, v in ranks.items()})

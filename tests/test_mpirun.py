@@ -78,3 +78,24 @@ def test_pytest_timeout_kills_the_whole_job(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "Timeout" in output, output
     assert_all_gone(job_pids(tmp_path / "signal") + job_pids(tmp_path / "thread"))
+
+
+def test_a_failed_shared_launch_names_the_case_and_the_rank_that_broke(tmp_path):
+    """Several cases share one launch (``common.case`` marks each): when the launch fails, its error says
+    which case broke on which rank, not only that mpiexec exited."""
+    script = tmp_path / "cases.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).parent / "scripts")!r})
+        from common import case
+        rank = int(os.environ.get("PMI_RANK", "0"))
+        with case(rank, "first"):
+            pass
+        with case(rank, "second"):
+            if rank == 1:
+                raise SystemExit(3)
+    """))
+    run = run_mpi(script, 2, timeout=60)
+    assert run.broken() == {1: "second"}
+    with pytest.raises(AssertionError, match=r"case 'second' broke on world rank 1"):
+        run.check()

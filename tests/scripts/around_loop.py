@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 
 import torch
-from common import batch, make_model, say, shard
+from common import batch, case, make_model, say, shard
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -175,12 +175,14 @@ def main() -> None:
     import imerge_hooks as imh
 
     imh.init()
-    for case in CASES:
-        train(case, sys.argv[1])
-        say(imh.rank(), "DONE", case)
+    for name in CASES:
+        with case(imh.rank(), f"around_loop:{name}"):
+            train(name, sys.argv[1])
+        say(imh.rank(), "DONE", name)
     for then in sys.argv[2:]:  # MODULE=OUT: another script's cases run next, in this job
         name, _, out = then.partition("=")
-        importlib.import_module(name).run_all(out)
+        with case(imh.rank(), name):
+            importlib.import_module(name).run_all(out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -80,6 +82,15 @@ def reference_train(opt_name: str, steps: int, unused: bool = False, passes: int
 def say(rank: int, *parts: object) -> None:
     sys.stdout.write(f"@{rank} " + " ".join(str(p) for p in parts) + "\n")
     sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def case(rank: int, name: str) -> Iterator[None]:
+    """One case of a launch that several run in turn: ``CASE name`` before it and ``CASE-DONE name`` after,
+    so that a launch that fails says which case broke on which rank (``tests/mpirun.py: MPIRun.broken``)."""
+    say(rank, "CASE", name)
+    yield
+    say(rank, "CASE-DONE", name)
 
 
 def key_bytes(engine) -> tuple[int, int]:

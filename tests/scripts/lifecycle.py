@@ -4,7 +4,7 @@ set_backward_passes_per_step(). Usage: python lifecycle.py OUT (OUT has {case}; 
 import sys
 
 import torch
-from common import batch, loss_fn, make_model, make_optimizer, say, shard
+from common import batch, case, loss_fn, make_model, make_optimizer, say, shard
 
 import imerge_hooks as imh
 
@@ -48,8 +48,10 @@ def accumulation(out: str) -> None:
 
 
 def run_all(out: str) -> None:
-    scheduler_before_wrapping(out)
-    accumulation(out)
+    with case(imh.rank(), "lifecycle:scheduler-before-wrapping"):
+        scheduler_before_wrapping(out)
+    with case(imh.rank(), "lifecycle:accumulation"):
+        accumulation(out)
     say(imh.rank(), "DONE")
 
 

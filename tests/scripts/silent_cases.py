@@ -8,6 +8,7 @@ import sys
 
 import torch
 from common import batch, loss_fn, make_model, make_optimizer, say, shard
+from common import case as marked
 
 import imerge_hooks as imh
 from imerge_hooks import IMergeMismatchError
@@ -68,9 +69,11 @@ def run_all(out: str) -> None:
     """Every case in turn (``scripts/around_loop.py`` runs them after its own, in the same job)."""
     for case, schedule in [("freeze-wfbp", "wfbp"), ("freeze-imerge", "imerge"), ("no-backward-wfbp", "wfbp"),
                            ("no-backward-imerge", "imerge"), ("zero-before-step-default", "default")]:
-        train_case(out, case, schedule)
+        with marked(imh.rank(), f"silent_cases:{case}"):
+            train_case(out, case, schedule)
     for case in ("order", "shape"):
-        mismatch_case(case)
+        with marked(imh.rank(), f"silent_cases:{case}"):
+            mismatch_case(case)
     say(imh.rank(), "DONE")
 
 
