@@ -142,6 +142,20 @@ def refuse_held_elsewhere(address: str, others: Sequence[Sequence[Interface]], n
             "IMERGE_MASTER_INTERFACE to its interface (e.g. eth0)")
 
 
+def _named_interface(own: Sequence[Interface], others: Sequence[Sequence[Interface]], interface: str,
+                     names: Sequence[str]) -> str:
+    """The address of the interface the user named (``master_interface``), refused where it has none or
+    another host holds the same address."""
+    named = [i for i in own if i.name == interface]
+    if not named:
+        raise IMergeConfigError(f"IMerge worker 0: master_interface {interface!r} has no IPv4 address on this host "
+                                f"(interfaces: {', '.join(f'{i.name} {i.address}' for i in own) or 'none'})")
+    refuse_held_elsewhere(named[0].address, others, names, f"master_interface {interface!r}")
+    log.info("IMerge worker 0: torch.distributed rendezvous on %s %s: master_interface (IMERGE_MASTER_INTERFACE)",
+             interface, named[0].address)
+    return named[0].address
+
+
 def choose_address(own: Sequence[Interface], others: Sequence[Sequence[Interface]], interface: str | None,
                    spans_hosts: bool, names: Sequence[str] = ()) -> str:
     """Worker 0's rendezvous address. ``own``: worker 0's interfaces; ``others``: those of one worker
@@ -157,14 +171,7 @@ def choose_address(own: Sequence[Interface], others: Sequence[Sequence[Interface
     names = _names(names, others)
     held = _held(others, names)
     if interface is not None:
-        named = [i for i in own if i.name == interface]
-        if not named:
-            raise IMergeConfigError(f"IMerge worker 0: master_interface {interface!r} has no IPv4 address on this host "
-                                    f"(interfaces: {', '.join(f'{i.name} {i.address}' for i in own) or 'none'})")
-        refuse_held_elsewhere(named[0].address, others, names, f"master_interface {interface!r}")
-        log.info("IMerge worker 0: torch.distributed rendezvous on %s %s: master_interface (IMERGE_MASTER_INTERFACE)",
-                 interface, named[0].address)
-        return named[0].address
+        return _named_interface(own, others, interface, names)
     usable = [i for i in own if not i.loopback]
     if not usable:
         raise IMergeConfigError("IMerge worker 0: workers span hosts but this host has no IPv4 address other than "
