@@ -59,9 +59,18 @@ class SlowGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if grad.is_cuda:
-            torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time
-        return grad * 1.0
+        return _slow(grad, 50_000_000)  # tens of milliseconds of GPU time
+
+
+def _slow(grad: torch.Tensor, cycles: int, done: list | None = None) -> torch.Tensor:
+    """A long kernel on the current stream before the gradient goes on (CUDA); ``done`` gets the event after it."""
+    if grad.is_cuda:
+        torch.cuda._sleep(cycles)
+        if done is not None:
+            event = torch.cuda.Event()
+            event.record()
+            done.append(event)
+    return grad * 1.0
 
 
 class Net(nn.Module):
@@ -217,22 +226,13 @@ def check_memory() -> None:
     say("MEMORY", json.dumps({str(k): v for k, v in marks.items()}))
 
 
-class SlowOutput(torch.autograd.Function):
-    """Identity whose backward first runs a long kernel on the current stream and records the event after
-    it (``SLOW_DONE``): the gradients behind it land only when the GPU gets past it."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+class SlowOutput(SlowGradient):
+    """``SlowGradient`` with about a second of GPU time, recording the event after it (``SLOW_DONE``): the
+    gradients behind it land only when the GPU gets past it."""
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        if grad.is_cuda:
-            torch.cuda._sleep(1_000_000_000)  # about a second of GPU time
-            event = torch.cuda.Event()
-            event.record()
-            SLOW_DONE.append(event)
-        return grad * 1.0
+        return _slow(grad, 1_000_000_000, SLOW_DONE)
 
 
 SLOW_DONE: list = []
