@@ -29,7 +29,7 @@ ran out of time is stored with an ``error`` and shown as such.
 * **Shapes.** ``s=w``: a server per worker, every rank a host of its own; ``s=w/2``: W/2 servers, likewise
   one rank per host (the fold of alike workers applies to both above W = 16); ``hosts8``: hosts of 8
   workers behind one NIC with one server colocated on each (S = W/8), host aggregation on, laid out as
-  ``host_tables.py`` lays them out (W >= 8 only; not folded, so the slowest cells), the hosts' local
+  ``host_tables.py`` lays them out (W >= 8 only; above 16 workers the fold over alike hosts), the hosts' local
   link a GPU's PCIe 3.0 x16 (12 GB/s) per worker and sums at that rate (``GPU_LOCAL_BPS``).
 * **Schedules.** PS: ``default, wfbp, mgwfbp, priority, imerge`` (``simulate``). Peers on
   ``simulate_allreduce`` with its defaults: ``ddp`` (25 MiB buckets) and ``mpi-allreduce`` (Horovod's
@@ -52,16 +52,12 @@ interrupted run goes on with ``--resume``)::
     python benchmarks/gpu_tables.py --table > benchmarks/results/gpu-tables.md
 
 The full grid is 1,460 cells (5 models; s=w and s=w/2: 2 links x 7 W x 7 schedules = 980; hosts8: 2 links
-x 6 W x 8 schedules = 480), run one after another, one core. An estimate, not a measurement of this grid
-(run here: only synthetic at W = 4..16): each child spends 2 to 3 s starting (it imports torch) and the
-peers nothing more, about 1 h of the whole. On one rank per host (folded above W = 16) a PS cell takes
-seconds and ``imerge``'s plan search up to about a minute at W = 128..256 (``plan_time.py``): 1 to 1.5 h
-for s=w and s=w/2. Hosts8 is not folded and grows with W x S: ``host_tables.py``'s hosts8 cells at
-1 Gbit/s took 50 min of CPU for five PS-and-peer schedules of five models (most of it W = 128 and
-``imerge``), and two W = 128..256 ``imerge`` cells ran out of 600 s; here with ``mgwfbp`` and two links,
-3 to 5 h. In all 4.5 to 7 h with ``--timeout 600``; the bound is cells that time out: at most
-2 links x 5 models x (W = 128, 256) x 5 PS schedules = 100 hosts8 cells, 17 h if every one did.
-``--workers 4,8,16,32,64`` alone, or ``--shapes s=w,s=w/2`` alone, roughly 1.5 h.
+x 6 W x 8 schedules = 480), run one after another, one core. Each child spends 2 to 3 s starting (it
+imports torch) and the peers nothing more. On one rank per host (folded above W = 16) a PS cell takes
+seconds and ``imerge``'s plan search up to a few minutes at W = 128..256. Hosts8 folds alike hosts above
+16 workers (8 simulated hosts): its 10 Gbit/s cells took about 1.5 h of one core here, the slowest
+``imerge`` cells 1 to 3 minutes; W = 64 (8 hosts, not folded) is the slowest W. ``--workers 4,8,16,32,64``
+alone, or one shape and link alone, roughly an hour or two.
 """
 
 from __future__ import annotations
