@@ -51,15 +51,7 @@ def main() -> None:
                 cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e9, startup_s=2e-4)
                 model = calibrate_model(cluster)
                 for schedule in ("wfbp", "imerge"):
-                    t = time.perf_counter()
-                    full = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
-                                    fold_workers=False)
-                    full_s = time.perf_counter() - t
-                    partition = full.plan.partition_bytes if full.plan and full.plan.partition_bytes else 4 << 20
-                    t = time.perf_counter()
-                    folded = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
-                                      groups=full.groups, partition_bytes=partition)
-                    fold_s = time.perf_counter() - t
+                    full, folded, _, full_s, fold_s = compare(spec, cluster, schedule, model, None, time.perf_counter)
                     error = folded.iteration_s / full.iteration_s - 1
                     rows.append({"profile": profile, "workers": workers, "servers": servers, "schedule": schedule,
                                  "fold": folded.fold, "server_orbits": folded.server_orbits,
@@ -70,9 +62,30 @@ def main() -> None:
                           f"{folded.server_orbits or '-':>6} {full.iteration_s:>13.4f} "
                           f"{folded.iteration_s:>9.4f} {100 * error:>+7.2f}% {full_s:>10.2f} {fold_s:>9.2f}",
                           flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"command": "python benchmarks/fold_check.py " + " ".join(sys.argv[1:]),
-                                              "rows": rows}, indent=1) + "\n")
+    write(args.out, rows)
+
+
+def compare(spec: ModelSpec, cluster: ClusterSpec, schedule: str, model, partition: int | None, clock) -> tuple:
+    """``schedule`` simulated with every worker (at ``partition``, None: the configured size), then folded on the
+    same plan and partition size: (every worker's result, the folded one, the partition size, each one's
+    seconds on ``clock``)."""
+    extra = {} if partition is None else {"partition_bytes": partition}
+    t = clock()
+    full = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False, fold_workers=False,
+                    **extra)
+    full_s = clock() - t
+    if partition is None:
+        partition = full.plan.partition_bytes if full.plan and full.plan.partition_bytes else 4 << 20
+    t = clock()
+    folded = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
+                      groups=full.groups, partition_bytes=partition)
+    return full, folded, partition, full_s, clock() - t
+
+
+def write(out: str | None, rows: list[dict]) -> None:
+    if out:
+        Path(out).write_text(json.dumps({"command": "python benchmarks/fold_check.py " + " ".join(sys.argv[1:]),
+                                         "rows": rows}, indent=1) + "\n")
 
 
 def hosts_check(args: argparse.Namespace) -> None:
@@ -90,17 +103,8 @@ def hosts_check(args: argparse.Namespace) -> None:
         for profile in PROFILES:
             spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json")
             for schedule, partition in (("wfbp", None), ("imerge", None), ("imerge", 1 << 20), ("imerge", 16 << 20)):
-                extra = {} if partition is None else {"partition_bytes": partition}
-                t = time.process_time()
-                full = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
-                                fold_workers=False, **extra)
-                full_s = time.process_time() - t
-                if partition is None:
-                    partition = full.plan.partition_bytes if full.plan and full.plan.partition_bytes else 4 << 20
-                t = time.process_time()
-                folded = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
-                                  groups=full.groups, partition_bytes=partition)
-                fold_s = time.process_time() - t
+                full, folded, partition, full_s, fold_s = compare(spec, cluster, schedule, model, partition,
+                                                                  time.process_time)
                 error = folded.iteration_s / full.iteration_s - 1
                 part = partition >> 20 if schedule == "imerge" else "-"
                 rows.append({"profile": profile, "workers": workers, "servers": hosts, "schedule": schedule,
@@ -111,9 +115,7 @@ def hosts_check(args: argparse.Namespace) -> None:
                 print(f"{profile:<10} {workers:>4} {hosts:>3} {schedule:<8} {part:>4} {folded.fold:>4} "
                       f"{full.iteration_s:>13.4f} {folded.iteration_s:>9.4f} {100 * error:>+7.2f}% "
                       f"{full_s:>10.2f} {fold_s:>9.2f}", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"command": "python benchmarks/fold_check.py " + " ".join(sys.argv[1:]),
-                                              "rows": rows}, indent=1) + "\n")
+    write(args.out, rows)
 
 
 if __name__ == "__main__":
