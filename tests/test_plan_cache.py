@@ -79,6 +79,15 @@ def test_a_plan_the_planner_chose_is_taken(tmp_path, caplog, schedule):
     assert not caplog.records
 
 
+def test_a_plan_without_the_tail_credit_is_kept_without_a_tail_group(tmp_path, caplog):
+    k = key()
+    path = plan_path(str(tmp_path / "psmodel.json"), k)
+    untailed = dataclasses.replace(PLAN, tail_credit=False)
+    store_plan(path, k, ORDER, untailed, None)
+    assert load_plan(path, k, fit()) == (ORDER, untailed, None)
+    assert not caplog.records
+
+
 def saved(**changes) -> dict:
     """What store_plan writes for ORDER, PLAN and tail group 1 under key(), with ``changes``
     (``plan.x``: a field of the plan)."""
@@ -144,6 +153,11 @@ CORRUPT = {  # id: (the file's text or content, schedule, what the warning says)
     "server window without a partition": (saved(tail=None, plan_partition_bytes=None, plan_stagger=None,
                                                 plan_server_credit_bytes=1 << 20), "adaptive-ps",
                                           "server_credit_bytes is set without plan.partition_bytes"),
+    "tail credit true": (saved(plan_tail_credit=True), "imerge", "plan.tail_credit is True, not false or null"),
+    "tail credit off with a tail": (saved(plan_tail_credit=False), "imerge", "tail is 1 but this plan's"),
+    "tail credit off where the schedule has none": (saved(tail=None, plan_partition_bytes=None, plan_stagger=None,
+                                                          plan_tail_credit=False), "adaptive-ps",
+                                                    "plan.tail_credit is set but this schedule has no tail"),
     "method unknown": (saved(plan_method="fastest"), "imerge", "plan.method is 'fastest', not optimal"),
     "method of another planner": (saved(plan_method="threshold"), "imerge", "plan.method is 'threshold'"),
     "times missing one": (saved(plan_group_end=[0.2]), "imerge", "group_end is not a list of 2 finite numbers"),

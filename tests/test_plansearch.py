@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -19,7 +20,7 @@ from imerge_hooks.plan.search import (
     search,
     searched_plan,
 )
-from imerge_hooks.simulate import simulate
+from imerge_hooks.simulate import ClusterSpec, LayerSpec, ModelSpec, simulate
 
 KiB, MiB = 1 << 10, 1 << 20
 GRID = [float(KiB * 4**k) for k in range(9)]
@@ -221,3 +222,42 @@ def test_an_approximate_score_wants_a_wider_margin():
     times = {MiB: 1.0, MiB // 2: 0.97, MiB // 4: 0.97, 2 * MiB: 1.0}
     assert search(cands, lambda g, p, bound=None: times.get(p, 1.5), MiB, True)[2] == MiB // 2
     assert search(cands, lambda g, p, bound=None: times.get(p, 1.5), MiB, True, tolerance=0.05)[2] == MiB
+
+
+def test_the_search_turns_the_tail_credit_off_only_where_that_wins():
+    """The tail credit is tried off last, on the winner with its window; off must win by the tolerance."""
+    cands = [("fused", [[0, 1, 2]])]
+    for untailed, want in ((0.9, False), (1.0 - PARTITION_TOLERANCE / 2, None)):
+        seen = []
+
+        def score(groups, partition, bound=None, server_credit=None, tail=True, untailed=untailed, seen=seen):
+            seen.append((server_credit, tail))
+            return 1.0 if tail else untailed
+
+        chosen, _ = searched_plan(cands, score, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB,
+                                  partitioned=False, windowed=True, tailed=True)
+        assert chosen.tail_credit is want and seen[-1] == (None, False)
+        assert ("without the tail credit" if want is False else "with the tail credit (without: ") in chosen.note
+    plain, _ = searched_plan(cands, lambda g, p, bound=None: 1.0, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9),
+                             MiB, partitioned=False)
+    assert plain.tail_credit is None and "tail credit" not in plain.note
+
+
+def test_a_plan_without_the_tail_credit_is_simulated_and_installed_without_it():
+    """8 x 8 MiB on 8 workers and servers: where the search turns the tail credit off, the simulator's
+    result is that of the same plan with tail_credit_bytes=None, and the engine installs no tail group."""
+    from imerge_hooks.plan.replan import Replanner
+
+    spec = ModelSpec(layers=[LayerSpec(f"l{i}", [8 * MiB], 0.01, 0.02) for i in range(8)], batch_size=8)
+    cluster = ClusterSpec(workers=8, servers=8, bandwidth_Bps=3.1e7, startup_s=2e-4)
+    res = simulate(spec, cluster, "imerge", timeline=False)
+    plan = res.plan
+    again = dict(groups=res.groups, partition_bytes=plan.partition_bytes or Config().partition_bytes,
+                 stagger=plan.stagger, server_credit_bytes=plan.server_credit_bytes, timeline=False)
+    untailed = simulate(spec, cluster, "imerge", tail_credit_bytes=None, **again)
+    tailed = simulate(spec, cluster, "imerge", **again)
+    assert plan.tail_credit is False and "without the tail credit" in plan.note
+    assert res.iteration_s == pytest.approx(untailed.iteration_s)
+    assert untailed.iteration_s < tailed.iteration_s * (1.0 - PARTITION_TOLERANCE)
+    untailed_plan = dataclasses.replace(plan, tail_credit=False)
+    assert Replanner._tail_of(None, list(range(8)), untailed_plan) is None

@@ -120,9 +120,13 @@ def check_plan_file(saved: Any, key: str, fit: PlanFit | None = None) -> tuple[l
     if window is not None:
         require(partition is not None, "plan.server_credit_bytes is set without plan.partition_bytes")
         integer(window, "plan.server_credit_bytes", partition, partition * max(SERVER_WINDOWS))
+    tail_credit = fields["tail_credit"]
+    require(tail_credit is None or tail_credit is False, f"plan.tail_credit is {tail_credit!r}, not false or null")
+    require(tail_credit is None or fit is None or fit.tail, "plan.tail_credit is set but this schedule has no tail")
     tail = saved["tail"]
-    if fit is not None and not (fit.tail and groups):
-        require(tail is None, f"tail is {tail!r} but this schedule's plans have no tail group")
+    if (fit is not None and not (fit.tail and groups)) or tail_credit is False:
+        require(tail is None, f"tail is {tail!r} but this {'plan' if tail_credit is False else 'schedule'}'s "
+                              "plans have no tail group")
     elif fit is not None or tail is not None:
         integer(tail, "tail", 0, len(groups) - 1)
     return list(order), Plan(**fields), tail

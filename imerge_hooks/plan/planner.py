@@ -39,6 +39,7 @@ class Plan:
     partition_bytes: int | None = None  # key size limit the plan was chosen for (None: the configured one)
     stagger: bool | None = None  # whether workers stagger their first server (None: as the schedule says)
     server_credit_bytes: int | None = None  # a worker's window per server (None: one partition, schedule.windows)
+    tail_credit: bool | None = None  # False: the search turned the tail credit off (None: as configured)
 
     def describe(self, sizes: Sequence[float]) -> str:
         """Human-readable table: group, tensors, bytes, start, end (ms)."""

@@ -146,7 +146,10 @@ class Replanner:
         return cfg.plan_search_budget_s
 
     def _tail_of(self, order: list[int], result: Plan) -> int | None:
-        """A plan's tail group, its groups given as positions in ``order``."""
+        """A plan's tail group, its groups given as positions in ``order`` (None where its search turned the
+        tail credit off)."""
+        if result.tail_credit is False:
+            return None
         return self._tail_group([[order[j] for j in group] for group in result.groups])
 
     def _kept(self, order: list[int], result: Plan) -> int | None:

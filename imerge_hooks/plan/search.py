@@ -18,6 +18,7 @@ more fusion, which costs the servers fewer messages.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -194,7 +195,8 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                   score: Callable[..., float], sizes: Sequence[float],
                   ready: Sequence[float], cost_model: CostModel, partition_bytes: int,
                   partitioned: bool, staggered: bool = False, windowed: bool = False,
-                  tolerance: float = PARTITION_TOLERANCE, servers: int = 1) -> tuple[Plan, list[Candidate]]:
+                  tolerance: float = PARTITION_TOLERANCE, servers: int = 1,
+                  tailed: bool = False) -> tuple[Plan, list[Candidate]]:
     """:func:`search`, as a Plan: the winner's groups with their FIFO-model start/end times,
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and the
     explanation as ``note``; plus every candidate's score.
@@ -214,7 +216,12 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     the worker's window grows with it) besides one; a wider window must win by ``PARTITION_TOLERANCE``
     (``server_credit_bytes``). ``tolerance``: what a partition size, stagger or window other than the
     configured one must win by (``PARTITION_TOLERANCE``; more where the scores are approximate).
-    ``servers``: more than ``MANY_SERVERS`` adds the jump of ``MANY_SERVERS_FACTORS``."""
+    ``servers``: more than ``MANY_SERVERS`` adds the jump of ``MANY_SERVERS_FACTORS``.
+
+    ``tailed`` (the schedule holds other keys to the tail credit near the end of backward): ``score`` takes
+    ``tail``, and the winner is tried without the tail credit last; without must win by ``tolerance``
+    (``tail_credit``). The tail credit helps where the last groups' pushes queue behind earlier keys; where
+    every key is large and the window small (8 x 8 MiB) it only throttles the link."""
     factors = MANY_SERVERS_FACTORS if servers > MANY_SERVERS else PARTITION_FACTORS
     best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
                                            if staggered else score, partition_bytes, partitioned, tolerance,
@@ -243,8 +250,18 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
             best = Candidate(best.label, best.groups, tried[at])
         note += "; window per server: " + ", ".join(
             f"{f} partition{'s' if f > 1 else ''} {t * 1e3:.2f} ms" for f, t in zip(SERVER_WINDOWS, tried))
+    tail_credit = None
+    if tailed:
+        window = {} if server_credit is None else {"server_credit": server_credit}
+        untailed = score(best.groups, partition, *(() if stagger is None else (stagger,)),
+                         bound=best.iteration_s * (1.0 - tolerance), tail=False, **window)
+        if untailed < best.iteration_s * (1.0 - tolerance):
+            tail_credit = False
+            best = Candidate(best.label, best.groups, untailed)
+        note += (f"; {'without' if tail_credit is False else 'with'} the tail credit"
+                 + (f" (without: {untailed * 1e3:.2f} ms)" if math.isfinite(untailed) else ""))
     starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes], [float(t) for t in ready], cost_model)
     chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
                   group_end=ends, note=note, partition_bytes=partition if partitioned else None, stagger=stagger,
-                  server_credit_bytes=server_credit)
+                  server_credit_bytes=server_credit, tail_credit=tail_credit)
     return chosen, scored

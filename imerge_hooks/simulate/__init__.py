@@ -72,8 +72,10 @@ What is modelled (and how; each choice mirrors the runtime in ``engine``/``sched
   holding that layer's tensors (front layers first). Update and optimizer time are ignored.
 
 ``SimResult.iteration_s`` is the time between consecutive starts of layer 0's forward (the
-latest worker), averaged over all iterations but the first (the first one starts with no
-communication pending); with ``iterations=1`` it is that single iteration.
+latest worker) in the steady state: never the first iteration (it starts with no communication
+pending); a run whose last two iterations differ by more than 1% runs again with twice the
+iterations (up to 24), and the mean of the last half counts (``SimResult.iteration_times`` has
+them all); with ``iterations=1`` it is that single iteration.
 
 The all-reduce peers (DDP's and Horovod's ring, Horovod's hierarchical all-reduce) run on the same
 model and cluster with :func:`simulate_allreduce` (``allreduce``); the ``imerge-whatif`` command

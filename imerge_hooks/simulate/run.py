@@ -37,6 +37,12 @@ from .loop import _Sim
 from .results import KeyInfo, SimResult
 from .specs import FOLD_ABOVE, FOLD_HOSTS, FOLD_ORBIT_WORKERS, FOLD_WORKERS, ClusterSpec, ModelSpec
 
+# The steady state: a run whose last two iterations differ by more than STEADY_TOLERANCE is still in its
+# transient (with the overlap, queues can take a few iterations to build up) and runs again with twice the
+# iterations, up to MAX_ITERATIONS; its time is the mean of the last half (``_steady_window``).
+STEADY_TOLERANCE = 0.01
+MAX_ITERATIONS = 24
+
 
 def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int]:
     """Key sizes as ``layout.cut_keys`` makes them (bytes; 4-byte elements assumed)."""
@@ -249,11 +255,12 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
     ``on_scored(seconds, groups, partition, stagger)`` sees every finished simulation.
     """
     def score(cand: list[list[int]], partition: int, stagger: bool | None = None,
-              bound: float | None = None, server_credit: int | None = None) -> float:
+              bound: float | None = None, server_credit: int | None = None, tail: bool = True) -> float:
         if cpu_deadline is not None and time.thread_time() > cpu_deadline:
             raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
         seconds = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
-                           partition_bytes=partition, credit_bytes=credit_bytes, tail_credit_bytes=tail_credit_bytes,
+                           partition_bytes=partition, credit_bytes=credit_bytes,
+                           tail_credit_bytes=tail_credit_bytes if tail else None,
                            cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
                            stagger=stagger, give_up_s=bound, cpu_deadline=cpu_deadline,
                            server_credit_bytes=server_credit).iteration_s
@@ -274,7 +281,8 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
     return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
                          partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1,
                          windowed=traits.partition and cluster.servers > 1,
-                         tolerance=tolerance, servers=cluster.servers)
+                         tolerance=tolerance, servers=cluster.servers,
+                         tailed=traits.tail_credit and tail_credit_bytes is not None)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
@@ -399,7 +407,8 @@ def _flow_control(schedule: str, cluster: ClusterSpec, choice: _Choice, ready_at
     partitioned schedules, the credit windows (``schedule.windows``), as the engine sets them."""
     traits = SCHEDULE_TRAITS[schedule]
     tail = None
-    if tail_credit_bytes is not None and traits.tail_credit:
+    if tail_credit_bytes is not None and traits.tail_credit and (choice.plan is None or
+                                                                  choice.plan.tail_credit is not False):
         tail_model = cost_model if cost_model is not None else choice.cost_model
         if tail_model is None:
             tail_model = calibrate_model(cluster)
@@ -411,6 +420,26 @@ def _flow_control(schedule: str, cluster: ClusterSpec, choice: _Choice, ready_at
     return tail, policy
 
 
+def _per_iteration(sim: _Sim, iterations: int) -> list[float]:
+    """Every iteration's time: the latest worker's start of layer 0's forward to the next."""
+    starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def _steady_window(per_iteration: list[float]) -> list[float]:
+    """The iterations the steady time averages: the last half, at least two, never the first (which starts
+    with no communication pending); the only one of a single iteration."""
+    if len(per_iteration) < 2:
+        return per_iteration
+    return per_iteration[-min(len(per_iteration) - 1, max(2, len(per_iteration) // 2)):]
+
+
+def _is_steady(per_iteration: list[float]) -> bool:
+    """Whether the run has settled: its last two iterations within ``STEADY_TOLERANCE`` of each other."""
+    a, b = per_iteration[-2], per_iteration[-1]
+    return abs(a - b) <= STEADY_TOLERANCE * max(a, b)
+
+
 def _result(sim: _Sim, schedule: str, model: ModelSpec, cluster: ClusterSpec, iterations: int, choice: _Choice,
             keys: list[KeyInfo], fold: int, orbits: int | None) -> SimResult:
     """The SimResult of a finished run: the steady iteration time (every iteration's but the first, the
@@ -420,9 +449,8 @@ def _result(sim: _Sim, schedule: str, model: ModelSpec, cluster: ClusterSpec, it
                   server_orbits=orbits)
     if sim.gave_up:
         return SimResult(iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[], **common)
-    starts = [max(s[it] for s in sim.starts) for it in range(iterations + 1)]
-    per_iteration = [b - a for a, b in zip(starts, starts[1:])]
-    steady = per_iteration[1:] if len(per_iteration) > 1 else per_iteration
+    per_iteration = _per_iteration(sim, iterations)
+    steady = _steady_window(per_iteration)
     iteration_s = sum(steady) / len(steady)
     throughput = cluster.workers * model.batch_size / iteration_s if iteration_s > 0 else math.inf
     events = sorted(sim.timeline, key=lambda e: (e.start, e.end))
@@ -439,7 +467,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True,
              give_up_s: float | None = None, cpu_deadline: float | None = None,
              server_credit_bytes: int | None = None) -> SimResult:
-    """Simulate ``iterations`` iterations of ``model`` on ``cluster`` under ``schedule``.
+    """Simulate ``iterations`` iterations (more where they have not settled: the module doc) of ``model`` on
+    ``cluster`` under ``schedule``.
 
     ``schedule`` is one of :data:`imerge_hooks.core.config.SCHEDULES`; its traits
     (``SCHEDULE_TRAITS``) decide planner, partitions, priority, stagger, credit and overlap.
@@ -483,18 +512,22 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     orbits = server_orbits(cluster, fold, staggered)
     tail, policy = _flow_control(schedule, cluster, choice, compute.ready_at, cost_model, credit_bytes,
                                  tail_credit_bytes)
-    sim = _make_sim(fwd=compute.fwd, bwd=compute.bwd, layer_names=[layer.name for layer in model.layers],
-                    layer_tensors=compute.layer_tensors, groups=choice.groups, keys=keys, group_keys=group_keys,
-                    cluster=cluster, priority=traits.priority, stagger=staggered,
-                    credit=policy.credit_bytes, server_credit=policy.server_credit_bytes,
-                    tail_group=tail, tail_credit=tail_credit_bytes,
-                    push_after_backward=traits.push_after_backward,
-                    overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
-                    iterations=iterations, record=timeline, fold=fold)
-    if give_up_s is not None and iterations > 1:
-        sim.give_up_s = float(give_up_s)
-    sim.cpu_deadline = cpu_deadline
-    if cpu_deadline is not None and time.thread_time() > cpu_deadline:  # the key layout above took it
-        raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
-    sim.run()
-    return _result(sim, schedule, model, cluster, iterations, choice, keys, fold, orbits)
+    runs = iterations
+    while True:
+        sim = _make_sim(fwd=compute.fwd, bwd=compute.bwd, layer_names=[layer.name for layer in model.layers],
+                        layer_tensors=compute.layer_tensors, groups=choice.groups, keys=keys, group_keys=group_keys,
+                        cluster=cluster, priority=traits.priority, stagger=staggered,
+                        credit=policy.credit_bytes, server_credit=policy.server_credit_bytes,
+                        tail_group=tail, tail_credit=tail_credit_bytes,
+                        push_after_backward=traits.push_after_backward,
+                        overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
+                        iterations=runs, record=timeline, fold=fold)
+        if give_up_s is not None and runs > 1:
+            sim.give_up_s = float(give_up_s)
+        sim.cpu_deadline = cpu_deadline
+        if cpu_deadline is not None and time.thread_time() > cpu_deadline:  # the key layout above took it
+            raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
+        sim.run()
+        if sim.gave_up or runs < 3 or runs >= MAX_ITERATIONS or _is_steady(_per_iteration(sim, runs)):
+            return _result(sim, schedule, model, cluster, runs, choice, keys, fold, orbits)
+        runs = min(2 * runs, MAX_ITERATIONS)
