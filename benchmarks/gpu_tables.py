@@ -187,6 +187,8 @@ def cell(model: str, shape: str, gbit: float, workers: int, schedule: str) -> di
         row["partition_bytes"] = plan.partition_bytes if plan and plan.partition_bytes else Config().partition_bytes
         row["stagger"] = (plan.stagger if plan and plan.stagger is not None else SCHEDULE_TRAITS["imerge"].stagger)
         row["plan_method"] = plan.method if plan else None
+        row["waves"] = bool(plan and plan.waves)
+        row["tail_credit"] = not (plan and plan.tail_credit is False)
     return row
 
 
@@ -260,8 +262,10 @@ def tables(doc: dict) -> str:
                             vs_best = f"{others[best] / im['iteration_s']:.2f}x ({best})"
                         if "ddp" in good:
                             vs_ddp = f"{good['ddp']['iteration_s'] / im['iteration_s']:.2f}x"
+                        rotation = ", waves" if im.get("waves") else ", stagger"
                         plan = (f"{im['groups']} g, {im['partition_bytes'] / 2**20:g} MiB"
-                                f"{', stagger' if im.get('stagger') else ', no stagger'}"
+                                f"{rotation if im.get('stagger') else ', no stagger'}"
+                                f"{', no tail' if im.get('tail_credit') is False else ''}"
                                 f"{', orbits ' + str(im['server_orbits']) if im.get('server_orbits') else ''}")
                     if row.get("imerge") is not None:
                         cpu = f"{row['imerge']['cpu_s']:.1f}" if im is not None else fmt_cell(row["imerge"])

@@ -53,7 +53,8 @@ def cell(profile: str, workers: int, servers: int) -> dict:
         groups = [[order[j] for j in g] for g in chosen.groups]
         return simulate(spec, cluster, "imerge", cost_model=model, timeline=False, groups=groups,
                         partition_bytes=chosen.partition_bytes or cfg.partition_bytes, iterations=3,
-                        stagger=getattr(chosen, "stagger", None)).iteration_s
+                        stagger=chosen.stagger, waves=chosen.waves, server_credit_bytes=chosen.server_credit_bytes,
+                        **({"tail_credit_bytes": None} if chosen.tail_credit is False else {})).iteration_s
 
     foreground, interim = time.thread_time(), None
     try:

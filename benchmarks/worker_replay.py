@@ -251,7 +251,7 @@ def installed_plan(engine) -> dict:
     profile's tensor order and so the simulator's) in send order, and the partition size of
     partitioned schedules (None otherwise). ``run.py`` simulates exactly this plan."""
     return {"groups": [list(g.members) for g in engine.groups], "partition_bytes": engine.partition_limit,
-            "stagger": engine.policy.stagger}
+            "stagger": engine.policy.stagger, "waves": engine.policy.waves}
 
 
 def _ab_policies(engine, alternate: str | None) -> list[dict] | None:

@@ -221,8 +221,8 @@ def test_installed_plan_reports_groups_and_partition():
 
     def engine(partition_limit: int | None) -> SimpleNamespace:
         return SimpleNamespace(groups=[SimpleNamespace(members=[3, 2]), SimpleNamespace(members=(1, 0))],
-                               partition_limit=partition_limit, policy=SimpleNamespace(stagger=False))
+                               partition_limit=partition_limit, policy=SimpleNamespace(stagger=True, waves=True))
 
     assert installed_plan(engine(2 << 20)) == {"groups": [[3, 2], [1, 0]], "partition_bytes": 2 << 20,
-                                               "stagger": False}
+                                               "stagger": True, "waves": True}
     assert installed_plan(engine(None))["partition_bytes"] is None

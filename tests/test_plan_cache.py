@@ -153,6 +153,8 @@ CORRUPT = {  # id: (the file's text or content, schedule, what the warning says)
     "server window without a partition": (saved(tail=None, plan_partition_bytes=None, plan_stagger=None,
                                                 plan_server_credit_bytes=1 << 20), "adaptive-ps",
                                           "server_credit_bytes is set without plan.partition_bytes"),
+    "waves false": (saved(plan_waves=False), "imerge", "plan.waves is False, not true or null"),
+    "waves without stagger": (saved(plan_waves=True), "imerge", "plan.waves is set but the plan does not stagger"),
     "tail credit true": (saved(plan_tail_credit=True), "imerge", "plan.tail_credit is True, not false or null"),
     "tail credit off with a tail": (saved(plan_tail_credit=False), "imerge", "tail is 1 but this plan's"),
     "tail credit off where the schedule has none": (saved(tail=None, plan_partition_bytes=None, plan_stagger=None,

@@ -10,7 +10,7 @@ import pytest
 from imerge_hooks.core.config import Config
 from imerge_hooks.plan.choice import choose_plan, cluster_for, model_spec_from_profile, search_plan
 from imerge_hooks.plan.costmodel import LinearModel, PSModel
-from imerge_hooks.plan.planner import plan
+from imerge_hooks.plan.planner import Plan, plan
 from imerge_hooks.plan.search import (
     MANY_SERVERS_FACTORS,
     MIN_PARTITION_BYTES,
@@ -261,3 +261,51 @@ def test_a_plan_without_the_tail_credit_is_simulated_and_installed_without_it():
     assert untailed.iteration_s < tailed.iteration_s * (1.0 - PARTITION_TOLERANCE)
     untailed_plan = dataclasses.replace(plan, tail_credit=False)
     assert Replanner._tail_of(None, list(range(8)), untailed_plan) is None
+
+
+def test_the_search_staggers_in_waves_only_where_that_wins():
+    """With stagger the whole search runs again in waves (schedule.key_slots); waves must win by the
+    tolerance, and the plan they choose may be another one."""
+    cands = [("fused", [[0, 1, 2]]), ("split", [[0], [1], [2]])]
+    for in_waves, want in (({3: 0.7, 1: 0.95}, True), ({3: 0.9 * (1.0 - PARTITION_TOLERANCE / 2), 1: 0.95}, None)):
+        def score(groups, partition, stagger=True, bound=None, waves=False, in_waves=in_waves):
+            if not stagger:
+                return 2.0
+            return in_waves[len(groups)] if waves else {3: 1.0, 1: 0.9}[len(groups)]
+
+        chosen, scored = searched_plan(cands, score, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB,
+                                       partitioned=False, staggered=True)
+        assert chosen.waves is want and chosen.stagger is True
+        # Rotating whole groups, "fused" wins (0.9); in waves "split" does (0.7), by more than the tolerance.
+        assert len(chosen.groups) == (3 if want else 1)
+        assert ("in waves (in waves: split" if want else "whole groups rotated (in waves: split") in chosen.note
+    # Without stagger, waves mean nothing: the plan says None.
+    chosen, _ = searched_plan(cands, lambda g, p, stagger=True, bound=None, waves=False: 0.5 if not stagger else 1.0,
+                              [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB, partitioned=False,
+                              staggered=True)
+    assert chosen.stagger is False and chosen.waves is None
+
+
+def test_the_replanner_installs_what_the_search_chose():
+    """Stagger, waves and windows go into the engine's policy together, and a later plan without waves
+    turns them off again; a plan without the tail credit gets no tail group."""
+    from types import SimpleNamespace
+
+    from imerge_hooks.plan.replan import Replanner
+
+    calls: list = []
+    engine = SimpleNamespace(topo=SimpleNamespace(num_servers=4, worker_rank=1), epoch=1,
+                             cfg=Config(schedule="imerge"),
+                             set_layout=lambda groups, **kw: calls.append(("layout", groups, kw)),
+                             set_policy=lambda **kw: calls.append(("policy", kw)))
+    replanner = object.__new__(Replanner)
+    replanner.engine, replanner.order, replanner.method, replanner.pending = engine, [1, 0], "optimal", False
+    base = dict(groups=[[0], [1]], predicted_end=1.0, method="optimal", group_start=[0.0, 0.5],
+                group_end=[0.5, 1.0], partition_bytes=MiB, stagger=True)
+    replanner._install(Plan(**base, waves=True), 0)
+    replanner._install(Plan(**base), None)
+    (_, groups, layout), (_, first), _, (_, second) = calls
+    assert groups == [[1], [0]] and layout == {"partition_bytes": MiB, "tail_group": 0}
+    assert first["stagger"] is True and first["waves"] is True and first["server_credit_bytes"] == MiB
+    assert second["waves"] is False
+    assert Replanner._tail_of(replanner, [1, 0], Plan(**base, tail_credit=False)) is None

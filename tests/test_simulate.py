@@ -409,3 +409,25 @@ def test_uneven_sharing_after_an_idle_gap_keeps_time_moving_forward(schedule):
         assert len(pushes) == 3
         for it, t in enumerate(pushes):
             assert t >= starts[it] + 3e-3 - 1e-12
+
+
+def test_stagger_in_waves_completes_each_wave_before_the_group_ends():
+    """16 keys of 1 MiB on 4 servers, 4 workers: rotating the whole group puts the keys before each worker's
+    first server at the end of its sequence, so the group's first S - 1 keys complete only at its end; in
+    waves (a key per server each) every key completes with its wave."""
+    from imerge_hooks.worker.schedule import key_slots
+
+    servers = [i % 4 for i in range(16)]
+    waves = [key_slots(servers, worker, 4, True, waves=True) for worker in range(4)]
+    for worker, order in enumerate(waves):
+        assert sorted(order) == list(range(16))
+        assert [servers[i] for i in order[:4]] == [(worker + j) % 4 for j in range(4)]
+    assert all(max(o.index(k) for o in waves) < 4 * (k // 4 + 1) for k in range(16))
+    whole = [key_slots(servers, worker, 4, True) for worker in range(4)]
+    assert [max(o.index(k) for o in whole) for k in range(3)] == [15, 15, 15]
+    model = ModelSpec([LayerSpec("front", [MiB], 1e-3, 1e-3), LayerSpec("big", [16 * MiB], 1e-3, 1e-3)], batch_size=8)
+    cluster = ClusterSpec(4, 4, B, 1e-4)
+    common = dict(groups=[[1], [0]], partition_bytes=MiB, stagger=True, plan_search=False)
+    whole_res = simulate(model, cluster, "imerge", **common)
+    waves_res = simulate(model, cluster, "imerge", waves=True, **common)
+    assert waves_res.iteration_s < 0.9 * whole_res.iteration_s  # 25.5 ms against 29.6 ms

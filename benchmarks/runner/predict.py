@@ -87,6 +87,10 @@ def simulate_one(model: str, workers: int, servers: int, schedule: str, bandwidt
             fixed["partition_bytes"] = plan["partition_bytes"]
         if plan.get("stagger") is not None:
             fixed["stagger"] = plan["stagger"]
+        if plan.get("waves"):
+            fixed["waves"] = True
+        if plan.get("tail_credit") is False:
+            fixed["tail_credit_bytes"] = None
     return simulate(spec, cluster, schedule, cost_model=cost_model, timeline=timeline, **fixed)
 
 
@@ -121,7 +125,8 @@ def engine_plan(model: str, workers: int, servers: int, schedule: str, time_scal
     spec = ModelSpec.from_profile_json(PROFILES / f"{model}-cpu.json")
     res = simulate(spec, replace(cluster, time_scale=time_scale), schedule, cost_model=cost_model, timeline=False)
     return {"groups": res.groups, "partition_bytes": res.plan.partition_bytes if res.plan else None,
-            "stagger": res.plan.stagger if res.plan else None}
+            "stagger": res.plan.stagger if res.plan else None, "waves": res.plan.waves if res.plan else None,
+            "tail_credit": res.plan.tail_credit if res.plan else None}
 
 
 def validation_plan(run: dict, servers: int, time_scale: float, cost_model) -> tuple[dict | None, str]:

@@ -116,6 +116,9 @@ def check_plan_file(saved: Any, key: str, fit: PlanFit | None = None) -> tuple[l
     stagger = fields["stagger"]
     require(stagger is None or isinstance(stagger, bool), f"plan.stagger is {stagger!r}, not true, false or null")
     require(stagger is None or fit is None or fit.staggered, "plan.stagger is set but the schedule does not stagger")
+    waves = fields["waves"]
+    require(waves is None or waves is True, f"plan.waves is {waves!r}, not true or null")
+    require(waves is None or stagger is True, "plan.waves is set but the plan does not stagger")
     window = fields["server_credit_bytes"]
     if window is not None:
         require(partition is not None, "plan.server_credit_bytes is set without plan.partition_bytes")

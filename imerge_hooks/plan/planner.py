@@ -40,6 +40,7 @@ class Plan:
     stagger: bool | None = None  # whether workers stagger their first server (None: as the schedule says)
     server_credit_bytes: int | None = None  # a worker's window per server (None: one partition, schedule.windows)
     tail_credit: bool | None = None  # False: the search turned the tail credit off (None: as configured)
+    waves: bool | None = None  # True: stagger each wave of a group (schedule.key_slots; None: the whole group)
 
     def describe(self, sizes: Sequence[float]) -> str:
         """Human-readable table: group, tensors, bytes, start, end (ms)."""

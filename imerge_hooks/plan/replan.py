@@ -89,8 +89,8 @@ class Replanner:
         groups = [[self.order[j] for j in group] for group in result.groups]
         engine.set_layout(groups, partition_bytes=result.partition_bytes, tail_group=tail)
         changes: dict[str, object] = {}
-        if result.stagger is not None:  # the search chose it (plan.search.searched_plan)
-            changes["stagger"] = result.stagger
+        if result.stagger is not None:  # the search chose it, and whether in waves (plan.search.searched_plan)
+            changes["stagger"], changes["waves"] = result.stagger, bool(result.waves)
         if engine.cfg.traits.partition:  # the windows follow the plan's partition size (schedule.windows)
             changes["credit_bytes"], changes["server_credit_bytes"] = windows(
                 engine.cfg.credit_bytes, result.partition_bytes or engine.cfg.partition_bytes, topo.num_servers,

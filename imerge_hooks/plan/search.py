@@ -214,8 +214,11 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     ``windowed`` (a partitioned schedule on several servers): ``score`` takes ``server_credit``, and the
     winner is tried with ``SERVER_WINDOWS`` partitions in flight to each server (``schedule.windows``:
     the worker's window grows with it) besides one; a wider window must win by ``PARTITION_TOLERANCE``
-    (``server_credit_bytes``). ``tolerance``: what a partition size, stagger or window other than the
-    configured one must win by (``PARTITION_TOLERANCE``; more where the scores are approximate).
+    (``server_credit_bytes``). With ``staggered``, ``score`` takes ``waves`` too, and the whole search runs
+    again with each wave of a group rotated rather than the whole group (``schedule.key_slots``); waves
+    must win by ``tolerance`` (``Plan.waves``), and stagger is then decided on the winner. ``tolerance``: what a
+    partition size, stagger, waves or window other than the configured one must win by
+    (``PARTITION_TOLERANCE``; more where the scores are approximate).
     ``servers``: more than ``MANY_SERVERS`` adds the jump of ``MANY_SERVERS_FACTORS``.
 
     ``tailed`` (the schedule holds other keys to the tail credit near the end of backward): ``score`` takes
@@ -226,23 +229,33 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
                                            if staggered else score, partition_bytes, partitioned, tolerance,
                                            factors)
-    stagger = None
+    stagger = waves = None
     if staggered:
+        # In waves the best plan and size can differ (fewer, larger groups): the whole search again.
+        waved, waved_scored, waved_partition, _ = search(
+            candidates, lambda g, p, bound=None: score(g, p, True, bound=bound, waves=True), partition_bytes,
+            partitioned, tolerance, factors)
+        if waved.iteration_s < best.iteration_s * (1.0 - tolerance):
+            waves, best, scored, partition = True, waved, waved_scored, waved_partition
+        note += (f"; {'in waves' if waves else 'whole groups rotated'} (in waves: {waved.label}, "
+                 f"{len(waved.groups)} groups, {waved.iteration_s * 1e3:.2f} ms at {waved_partition >> 10} KiB)")
         unstaggered, _, unstaggered_partition, _ = search([(best.label, best.groups)],
                                                           lambda g, p, bound=None: score(g, p, False, bound=bound),
                                                           partition, partitioned, tolerance, factors)
         stagger = not unstaggered.iteration_s < best.iteration_s * (1.0 - tolerance)
         if not stagger:
-            best, partition = unstaggered, unstaggered_partition
+            best, partition, waves = unstaggered, unstaggered_partition, None
         note += (f"; {'with' if stagger else 'without'} stagger (without: {unstaggered.iteration_s * 1e3:.2f} ms at "
                  f"{unstaggered_partition >> 10} KiB)")
+    # What the later choices keep of the earlier ones: stagger (a positional argument) and waves.
+    kept = ((() if stagger is None else (stagger,)), ({"waves": True} if waves else {}))
     server_credit = None
     if windowed:
         tried = [best.iteration_s]
         for factor in SERVER_WINDOWS[1:]:
             bound = min(tried) * (1.0 - tolerance)
-            tried.append(score(best.groups, partition, *(() if stagger is None else (stagger,)), bound=bound,
-                               server_credit=factor * partition))
+            tried.append(score(best.groups, partition, *kept[0], bound=bound, server_credit=factor * partition,
+                               **kept[1]))
         wins = [i for i, t in enumerate(tried) if t < tried[0] * (1.0 - tolerance)]
         if wins:
             at = min(wins, key=lambda i: tried[i])
@@ -253,8 +266,8 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     tail_credit = None
     if tailed:
         window = {} if server_credit is None else {"server_credit": server_credit}
-        untailed = score(best.groups, partition, *(() if stagger is None else (stagger,)),
-                         bound=best.iteration_s * (1.0 - tolerance), tail=False, **window)
+        untailed = score(best.groups, partition, *kept[0], bound=best.iteration_s * (1.0 - tolerance), tail=False,
+                         **window, **kept[1])
         if untailed < best.iteration_s * (1.0 - tolerance):
             tail_credit = False
             best = Candidate(best.label, best.groups, untailed)
@@ -263,5 +276,5 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     starts, ends = simulate_fifo(best.groups, [float(s) for s in sizes], [float(t) for t in ready], cost_model)
     chosen = Plan(groups=best.groups, predicted_end=ends[-1], method="optimal", group_start=starts,
                   group_end=ends, note=note, partition_bytes=partition if partitioned else None, stagger=stagger,
-                  server_credit_bytes=server_credit, tail_credit=tail_credit)
+                  server_credit_bytes=server_credit, tail_credit=tail_credit, waves=waves)
     return chosen, scored

@@ -321,7 +321,7 @@ class _Sim:
                  aggregate: bool = False, local_bandwidth: float = 2e9, reduce_rate: float = 2e9,
                  fold: int = 1, server_orbits: int | None = None, server_credit: int | None = None,
                  host_fold: int = 1, server_map: Sequence[int] | None = None,
-                 worker_rank: Sequence[int] | None = None) -> None:
+                 worker_rank: Sequence[int] | None = None, waves: bool = False) -> None:
         self._init_fold(workers, servers, server_orbits, fold, host_fold, hosts, bandwidth, startup)
         self._init_host_aggregation(aggregate, local_bandwidth, reduce_rate)
         self.worker_message = float(worker_message)
@@ -334,7 +334,7 @@ class _Sim:
         self.share_event_at = math.inf
         self._init_plan(fwd, bwd, layer_names, layer_tensors, groups, group_keys, key_bytes, key_server, server_map,
                         worker_rank)
-        self.priority, self.stagger = priority, stagger
+        self.priority, self.stagger, self.waves = priority, stagger, waves
         self.push_after_backward, self.iterations = push_after_backward, iterations
         self.record = record
         self.ops = self._build_ops(overlap, push_after_backward, iterations)
@@ -619,7 +619,8 @@ class _Sim:
             self._group_done(r, g)
             return
         self.pending[r][g] = len(keys)
-        slots = key_slots([self.slot_server[k] for k in keys], self.worker_rank[r], self.real_S, self.stagger)
+        slots = key_slots([self.slot_server[k] for k in keys], self.worker_rank[r], self.real_S, self.stagger,
+                          self.waves)
         prio = self.group_prio[g] if self.priority else 0
         w = self.workers[r]
         if g == self.tail_group:

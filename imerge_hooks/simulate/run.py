@@ -188,7 +188,7 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
               priority: bool, stagger: bool, credit: int | None, push_after_backward: bool, overlap: bool,
               server_credit: int | None = None,
               tail_group: int | None = None, tail_credit: int | None = None,
-              iterations: int, record: bool, fold: int = 1) -> _Sim:
+              iterations: int, record: bool, fold: int = 1, waves: bool = False) -> _Sim:
     """The event loop for ``cluster``, its workers folded by ``fold`` (``fold_factor``): W/fold workers,
     with stagger the servers too (``server_orbits``), the fabric carrying 1/fold of the traffic."""
     fabric = None if cluster.fabric_Bps is None else cluster.fabric_Bps / fold
@@ -209,7 +209,7 @@ def _make_sim(*, fwd, bwd, layer_names, layer_tensors, groups, keys: list[KeyInf
                 worker_message=cluster.worker_message_s, hosts=hosts,
                 aggregate=cluster.aggregates, local_bandwidth=cluster.local_Bps, reduce_rate=cluster.reduce_Bps,
                 fold=fold, server_orbits=orbits, server_credit=server_credit, host_fold=folded_hosts,
-                server_map=server_map, worker_rank=worker_rank)
+                server_map=server_map, worker_rank=worker_rank, waves=waves)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -255,7 +255,8 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
     ``on_scored(seconds, groups, partition, stagger)`` sees every finished simulation.
     """
     def score(cand: list[list[int]], partition: int, stagger: bool | None = None,
-              bound: float | None = None, server_credit: int | None = None, tail: bool = True) -> float:
+              bound: float | None = None, server_credit: int | None = None, tail: bool = True,
+              waves: bool = False) -> float:
         if cpu_deadline is not None and time.thread_time() > cpu_deadline:
             raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
         seconds = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
@@ -263,7 +264,7 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
                            tail_credit_bytes=tail_credit_bytes if tail else None,
                            cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
                            stagger=stagger, give_up_s=bound, cpu_deadline=cpu_deadline,
-                           server_credit_bytes=server_credit).iteration_s
+                           server_credit_bytes=server_credit, waves=waves).iteration_s
         if on_scored is not None:
             on_scored(seconds, cand, partition, stagger)
         return seconds
@@ -363,21 +364,22 @@ class _Choice:
     server_credit_bytes: int | None
     plan: Plan | None = None
     cost_model: Any = None
+    waves: bool | None = None
 
 
 def _choose_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, compute: _Compute,
                  groups: Sequence[Sequence[int]] | None, *, cost_model: CostModel | None, plan_search: bool,
                  fusion_threshold_bytes: int, partition_bytes: int, credit_bytes: int,
                  tail_credit_bytes: int | None, overlap_forward: bool | None, iterations: int,
-                 stagger: bool | None, server_credit_bytes: int | None) -> _Choice:
+                 stagger: bool | None, server_credit_bytes: int | None, waves: bool | None = None) -> _Choice:
     """``groups`` if given, else one group per tensor (planner ``none``), else the schedule's planner on the
     tensors in ready order (``optimal`` with ``plan_search``: :func:`search_by_simulation`)."""
     traits = SCHEDULE_TRAITS[schedule]
     order, sizes = compute.order, compute.sizes
     if groups is not None:
-        return _Choice(_check_groups(groups, len(sizes)), partition_bytes, stagger, server_credit_bytes)
+        return _Choice(_check_groups(groups, len(sizes)), partition_bytes, stagger, server_credit_bytes, waves=waves)
     if traits.planner == "none" or not sizes:
-        return _Choice([[i] for i in order], partition_bytes, stagger, server_credit_bytes)
+        return _Choice([[i] for i in order], partition_bytes, stagger, server_credit_bytes, waves=waves)
     if traits.planner == "threshold":
         used_model = cost_model if cost_model is not None else LinearModel(0.0, 0.0)
     else:
@@ -397,7 +399,7 @@ def _choose_plan(model: ModelSpec, cluster: ClusterSpec, schedule: str, compute:
                    stagger=chosen.stagger if stagger is None else stagger,
                    server_credit_bytes=chosen.server_credit_bytes if server_credit_bytes is None
                    else server_credit_bytes,
-                   plan=chosen, cost_model=used_model)
+                   plan=chosen, cost_model=used_model, waves=chosen.waves if waves is None else waves)
 
 
 def _flow_control(schedule: str, cluster: ClusterSpec, choice: _Choice, ready_at: Sequence[float],
@@ -466,7 +468,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
              timeline: bool = True, groups: Sequence[Sequence[int]] | None = None,
              plan_search: bool = True, stagger: bool | None = None, fold_workers: bool = True,
              give_up_s: float | None = None, cpu_deadline: float | None = None,
-             server_credit_bytes: int | None = None) -> SimResult:
+             server_credit_bytes: int | None = None, waves: bool | None = None) -> SimResult:
     """Simulate ``iterations`` iterations (more where they have not settled: the module doc) of ``model`` on
     ``cluster`` under ``schedule``.
 
@@ -490,7 +492,8 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     ``cpu_deadline``: raise :class:`imerge_hooks.plan.search.SearchBudgetSpent` once the calling
     thread's CPU time (``time.thread_time()``) passes this (a plan search's budget).
     ``server_credit_bytes``: a partitioned schedule's window per server (None: as ``schedule.windows``
-    says, or as the searched plan chose).
+    says, or as the searched plan chose). ``waves``: with stagger, rotate each wave of a group rather than
+    the whole group (``schedule.key_slots``; None: as the searched plan chose, else the whole group).
     ``fold_workers``: simulate the alike workers of a large cluster through a few that stand for
     them (``fold_factor``; ``SimResult.fold`` says how many each stands for, and the timeline then
     has tracks for those only); False: every worker and server.
@@ -504,7 +507,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                           fusion_threshold_bytes=fusion_threshold_bytes, partition_bytes=partition_bytes,
                           credit_bytes=credit_bytes, tail_credit_bytes=tail_credit_bytes,
                           overlap_forward=overlap_forward, iterations=iterations, stagger=stagger,
-                          server_credit_bytes=server_credit_bytes)
+                          server_credit_bytes=server_credit_bytes, waves=waves)
     group_keys, keys = _layout(choice.groups, compute.sizes, choice.partition_bytes if traits.partition else None,
                                cluster, cpu_deadline)
     staggered = traits.stagger if choice.stagger is None else bool(choice.stagger)
@@ -521,7 +524,7 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
                         tail_group=tail, tail_credit=tail_credit_bytes,
                         push_after_backward=traits.push_after_backward,
                         overlap=traits.overlap_forward if overlap_forward is None else bool(overlap_forward),
-                        iterations=runs, record=timeline, fold=fold)
+                        iterations=runs, record=timeline, fold=fold, waves=staggered and bool(choice.waves))
         if give_up_s is not None and runs > 1:
             sim.give_up_s = float(give_up_s)
         sim.cpu_deadline = cpu_deadline

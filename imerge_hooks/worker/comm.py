@@ -288,7 +288,7 @@ class CommThread:
         """One task per key, in ``flow`` (its engine's); with host aggregation, keys this worker owns wait
         for its host's gradients first, and the others go to their owner on this host instead of a server."""
         policy = flow.policy
-        slots = key_slots([k.server for k in group.keys], self.rank, self.num_servers, policy.stagger)
+        slots = key_slots([k.server for k in group.keys], self.rank, self.num_servers, policy.stagger, policy.waves)
         self._remaining[id(group)] = len(slots)
         self._active[id(group)] = group
         flow.keys += len(slots)

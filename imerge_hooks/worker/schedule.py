@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -28,15 +29,36 @@ if TYPE_CHECKING:
     from ..core.config import Config
 
 
-def key_slots(servers: Sequence[int], worker: int, num_servers: int, stagger: bool) -> list[int]:
+def key_slots(servers: Sequence[int], worker: int, num_servers: int, stagger: bool,
+              waves: bool = False) -> list[int]:
     """The order worker ``worker`` pushes a group's keys (slot indices; ``servers[i]`` is slot i's
-    server): slot order, rotated with ``stagger`` to start at server ``worker % num_servers``."""
+    server): slot order, rotated with ``stagger`` to start at server ``worker % num_servers``; with
+    ``waves`` too, each wave of the group is rotated instead of the whole group.
+
+    A group's i-th key on each server is in wave i. A key completes only with its last push: rotating
+    the whole group puts the key just before a worker's first server last in its sequence, so where a
+    group has many keys per server nearly all of them complete only at the group's end (at W = S = 256,
+    AlexNet's largest layer comes back only after it was pushed whole). In waves, each wave completes on
+    every worker at about the same time and its results travel while the next one is pushed. The plan
+    search chooses it (``Plan.waves``)."""
     slots = list(range(len(servers)))
-    if stagger and num_servers > 1 and len(slots) > 1:
-        want = worker % num_servers
-        first = next((i for i in slots if servers[i] == want), 0)
-        slots = slots[first:] + slots[:first]
-    return slots
+    if not (stagger and num_servers > 1 and len(slots) > 1):
+        return slots
+    if waves:
+        return list(_in_waves(tuple(servers), worker % num_servers, num_servers))
+    want = worker % num_servers
+    first = next((i for i in slots if servers[i] == want), 0)
+    return slots[first:] + slots[:first]
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_waves(servers: tuple[int, ...], start: int, num_servers: int) -> tuple[int, ...]:
+    seen: dict[int, int] = {}
+    wave = []
+    for server in servers:
+        wave.append(seen.get(server, 0))
+        seen[server] = wave[-1] + 1
+    return tuple(sorted(range(len(servers)), key=lambda i: (wave[i], (servers[i] - start) % num_servers, i)))
 
 
 @dataclass
@@ -48,6 +70,7 @@ class SchedulePolicy:
     credit_bytes: int | None = None  # None: unlimited
     tail_credit_bytes: int | None = None  # None: no tail credit
     server_credit_bytes: int | None = None  # None: no window per server
+    waves: bool = False  # with stagger: rotate each wave of a group, not the whole group (key_slots)
 
     @classmethod
     def from_config(cls, cfg: Config, servers: int = 1, credit_bytes: int | None = None) -> SchedulePolicy:
