@@ -6,13 +6,14 @@
 For every benchmark profile, W and S in (W, W/2), on the cluster ``benchmarks/plan_time.py`` uses
 (1 Gbit/s links, 200 us startup, the simulator's calibration as cost model): the iteration time of
 ``wfbp`` (no stagger: the fold is exact) and ``imerge`` (the DP plan, with stagger: exact where the
-simulated workers are a multiple of S, else servers are folded too, approximately: ``orbits``) simulated
-folded and with every worker, the same plan in both, and the seconds each took.
+simulated workers are a multiple of S, else servers are folded too, approximately: ``orbits``; and
+``imerge+waves``, staggered in waves, ``schedule.key_slots``) simulated folded and with every worker, the
+same plan in both, and the seconds each took.
 
 ``--hosts``: the fold of alike hosts (``imerge_hooks.simulate.run.host_fold``) on ``host_tables.py``'s
 layout (hosts of 8 workers, one server on each, host aggregation, 1 Gbit/s NICs at TCP goodput), where
 it is approximate with or without stagger; ``imerge`` at the configured partition size and at 1 and
-16 MiB, the sizes the plan search weighs.
+16 MiB, the sizes the plan search weighs, and in waves at the configured size.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     if args.hosts:
         return hosts_check(args)
     rows = []
-    print(f"{'profile':<10} {'W':>4} {'S':>4} {'schedule':<8} {'fold':>4} {'orbits':>6} {'every worker':>13} "
+    print(f"{'profile':<10} {'W':>4} {'S':>4} {'schedule':<12} {'fold':>4} {'orbits':>6} {'every worker':>13} "
           f"{'folded':>9} {'error':>8} "
           f"{'s (every)':>10} {'s (fold)':>9}")
     for profile in PROFILES:
@@ -50,7 +51,7 @@ def main() -> None:
             for servers in (workers, workers // 2):
                 cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e9, startup_s=2e-4)
                 model = calibrate_model(cluster)
-                for schedule in ("wfbp", "imerge"):
+                for schedule in ("wfbp", "imerge", "imerge+waves"):
                     full, folded, _, full_s, fold_s = compare(spec, cluster, schedule, model, None, time.perf_counter)
                     error = folded.iteration_s / full.iteration_s - 1
                     rows.append({"profile": profile, "workers": workers, "servers": servers, "schedule": schedule,
@@ -58,7 +59,7 @@ def main() -> None:
                                  "every_worker_s": full.iteration_s,
                                  "folded_s": folded.iteration_s, "error": error, "cpu_every_s": full_s,
                                  "cpu_folded_s": fold_s})
-                    print(f"{profile:<10} {workers:>4} {servers:>4} {schedule:<8} {folded.fold:>4} "
+                    print(f"{profile:<10} {workers:>4} {servers:>4} {schedule:<12} {folded.fold:>4} "
                           f"{folded.server_orbits or '-':>6} {full.iteration_s:>13.4f} "
                           f"{folded.iteration_s:>9.4f} {100 * error:>+7.2f}% {full_s:>10.2f} {fold_s:>9.2f}",
                           flush=True)
@@ -66,10 +67,12 @@ def main() -> None:
 
 
 def compare(spec: ModelSpec, cluster: ClusterSpec, schedule: str, model, partition: int | None, clock) -> tuple:
-    """``schedule`` simulated with every worker (at ``partition``, None: the configured size), then folded on the
-    same plan and partition size: (every worker's result, the folded one, the partition size, each one's
-    seconds on ``clock``)."""
-    extra = {} if partition is None else {"partition_bytes": partition}
+    """``schedule`` (``imerge+waves``: ``imerge`` staggered in waves) simulated with every worker (at ``partition``,
+    None: the configured size), then folded on the same plan and partition size: (every worker's result, the
+    folded one, the partition size, each one's seconds on ``clock``)."""
+    extra: dict = {} if partition is None else {"partition_bytes": partition}
+    if schedule == "imerge+waves":
+        schedule, extra["stagger"], extra["waves"] = "imerge", True, True
     t = clock()
     full = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False, fold_workers=False,
                     **extra)
@@ -78,7 +81,7 @@ def compare(spec: ModelSpec, cluster: ClusterSpec, schedule: str, model, partiti
         partition = full.plan.partition_bytes if full.plan and full.plan.partition_bytes else 4 << 20
     t = clock()
     folded = simulate(spec, cluster, schedule, cost_model=model, timeline=False, plan_search=False,
-                      groups=full.groups, partition_bytes=partition)
+                      groups=full.groups, **{**extra, "partition_bytes": partition})
     return full, folded, partition, full_s, clock() - t
 
 
@@ -93,7 +96,7 @@ def hosts_check(args: argparse.Namespace) -> None:
 
     per_host = 8
     rows = []
-    print(f"{'profile':<10} {'W':>4} {'S':>3} {'schedule':<8} {'part':>4} {'fold':>4} {'every worker':>13} "
+    print(f"{'profile':<10} {'W':>4} {'S':>3} {'schedule':<12} {'part':>4} {'fold':>4} {'every worker':>13} "
           f"{'folded':>9} {'error':>8} {'s (every)':>10} {'s (fold)':>9}")
     for workers in map(int, args.workers.split(",")):
         hosts = workers // per_host
@@ -102,17 +105,18 @@ def hosts_check(args: argparse.Namespace) -> None:
         model = calibrate_model(cluster)
         for profile in PROFILES:
             spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json")
-            for schedule, partition in (("wfbp", None), ("imerge", None), ("imerge", 1 << 20), ("imerge", 16 << 20)):
+            for schedule, partition in (("wfbp", None), ("imerge", None), ("imerge", 1 << 20), ("imerge", 16 << 20),
+                                        ("imerge+waves", None)):
                 full, folded, partition, full_s, fold_s = compare(spec, cluster, schedule, model, partition,
                                                                   time.process_time)
                 error = folded.iteration_s / full.iteration_s - 1
-                part = partition >> 20 if schedule == "imerge" else "-"
+                part = partition >> 20 if schedule != "wfbp" else "-"
                 rows.append({"profile": profile, "workers": workers, "servers": hosts, "schedule": schedule,
-                             "partition_bytes": partition if schedule == "imerge" else None, "fold": folded.fold,
+                             "partition_bytes": partition if schedule != "wfbp" else None, "fold": folded.fold,
                              "server_orbits": folded.server_orbits, "every_worker_s": full.iteration_s,
                              "folded_s": folded.iteration_s, "error": error, "cpu_every_s": full_s,
                              "cpu_folded_s": fold_s})
-                print(f"{profile:<10} {workers:>4} {hosts:>3} {schedule:<8} {part:>4} {folded.fold:>4} "
+                print(f"{profile:<10} {workers:>4} {hosts:>3} {schedule:<12} {part:>4} {folded.fold:>4} "
                       f"{full.iteration_s:>13.4f} {folded.iteration_s:>9.4f} {100 * error:>+7.2f}% "
                       f"{full_s:>10.2f} {fold_s:>9.2f}", flush=True)
     write(args.out, rows)
