@@ -36,11 +36,11 @@ def key_slots(servers: Sequence[int], worker: int, num_servers: int, stagger: bo
     ``waves`` too, each wave of the group is rotated instead of the whole group.
 
     A group's i-th key on each server is in wave i. A key completes only with its last push: rotating
-    the whole group puts the key just before a worker's first server last in its sequence, so where a
-    group has many keys per server nearly all of them complete only at the group's end (at W = S = 256,
-    AlexNet's largest layer comes back only after it was pushed whole). In waves, each wave completes on
-    every worker at about the same time and its results travel while the next one is pushed. The plan
-    search chooses it (``Plan.waves``)."""
+    the whole group puts the keys before a worker's first server last in its sequence, so the group's
+    first S - 1 keys each complete only at the group's end (at W = S = 256 that is most of AlexNet's
+    largest layer, which then comes back only after it was pushed whole). In waves, each wave completes
+    on every worker at about the same time and its results travel while the next one is pushed. The
+    plan search chooses it (``Plan.waves``)."""
     slots = list(range(len(servers)))
     if not (stagger and num_servers > 1 and len(slots) > 1):
         return slots
