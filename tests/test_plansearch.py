@@ -286,6 +286,30 @@ def test_the_search_staggers_in_waves_only_where_that_wins():
     assert chosen.stagger is False and chosen.waves is None
 
 
+def test_the_search_in_waves_stops_each_simulation_that_cannot_beat_the_first_winner():
+    """The second search (in waves) is capped: every simulation in it gets at most the first search's
+    winner less the tolerance as its bound, so a plan that cannot win stops early (inf)."""
+    cands = [("fused", [[0, 1, 2]]), ("split", [[0], [1], [2]])]
+    first = {3: 1.0, 1: 0.9}
+    bounds = []
+
+    def score(groups, partition, stagger=True, bound=None, waves=False):
+        seconds = 2.0 if not stagger else ({3: 0.95, 1: 0.92}[len(groups)] if waves else first[len(groups)])
+        if waves:
+            bounds.append(bound)
+        return math.inf if bound is not None and seconds > bound else seconds
+
+    chosen, _ = searched_plan(cands, score, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB,
+                              partitioned=True, staggered=True)
+    cap = 0.9 * (1.0 - PARTITION_TOLERANCE)
+    assert bounds and all(b is not None and b <= cap for b in bounds)
+    assert chosen.waves is None and chosen.stagger is True and len(chosen.groups) == 1
+    assert "whole groups rotated (in waves: none beat it by the tolerance)" in chosen.note
+    # Uncapped, search() is what it was: every plan scored in full.
+    best, scored, _, _ = search(cands, lambda g, p, bound=None: first[len(g)], MiB, False)
+    assert best.label == "fused" and [c.iteration_s for c in scored] == [0.9, 1.0]
+
+
 def test_the_replanner_installs_what_the_search_chose():
     """Stagger, waves and windows go into the engine's policy together, and a later plan without waves
     turns them off again; a plan without the tail credit gets no tail group."""

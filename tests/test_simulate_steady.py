@@ -54,3 +54,25 @@ def test_a_steady_run_keeps_its_three_iterations():
                                            ([1.0] * 5 + [2.0], [1.0, 1.0, 2.0]), (list(range(12)), list(range(6, 12)))])
 def test_the_steady_window_is_the_last_half_never_the_first_iteration(times, window):
     assert run._steady_window(times) == window
+
+
+@pytest.mark.parametrize("times, period", [
+    ([0.5, 1.0, 1.005], 1),
+    ([0.5, 1.0, 1.1], None),
+    # a queue that drains every other iteration: settled, though no two neighbours agree
+    ([9.7, 9.8, 11.35, 11.9, 13.1, 11.69, 13.1, 11.69, 13.1, 11.69, 13.1, 11.69], 2),
+    ([13.1, 13.1, 11.6, 14.1, 14.1, 13.1, 13.5, 13.18, 13.5, 13.14, 14.03, 13.18, 13.5, 13.14, 14.03, 13.18], 4),
+    ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], None),
+    # a transient whose last two iterations pass within 1% for the two before: not a cycle (it is one of
+    # 3 from there: 11.88, 12.469, 12.666)
+    ([10.157, 9.803, 12.199, 11.983, 12.295, 11.88], None),
+])
+def test_a_run_is_settled_once_its_last_cycle_repeats(times, period):
+    assert run._period(times) == period
+
+
+def test_the_steady_time_of_a_cycle_averages_whole_cycles():
+    times = [9.7, 9.8, 11.35, 11.9, 13.1, 11.69, 13.1, 11.69, 13.1, 11.69, 13.1, 11.69, 13.1, 11.69]
+    window = run._steady_window(times, run._period(times))
+    assert window == [13.1, 11.69] * 3  # the last half (7) cut to whole cycles of 2
+    assert run._steady_window([1.0, 2.0, 3.0, 4.0, 3.0, 4.0], 2) == [3.0, 4.0]

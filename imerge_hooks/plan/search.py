@@ -137,16 +137,27 @@ def partition_sizes(configured: int, factors: Sequence[float] = PARTITION_FACTOR
     return out
 
 
+def _capped(bound: float | None, cap: float | None) -> float | None:
+    """The tighter of a simulation's own bound and the search's cap (None: no limit)."""
+    if cap is None:
+        return bound
+    return cap if bound is None else min(bound, cap)
+
+
 def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[list[list[int]], int], float],
            partition_bytes: int, partitioned: bool, tolerance: float = PARTITION_TOLERANCE,
-           factors: Sequence[float] = PARTITION_FACTORS) -> tuple[Candidate, list[Candidate], int, str]:
+           factors: Sequence[float] = PARTITION_FACTORS,
+           cap: float | None = None) -> tuple[Candidate, list[Candidate], int, str]:
     """Score every candidate plan at ``partition_bytes``; for partitioned schedules, then
     alternate: the best plan at neighbouring partition sizes, and every plan again at the size
     that won, until neither the size nor the plan changes (at most ``SEARCH_ROUNDS`` times).
     Plan and partition size interact: the best plan at one size need not be the best at another
     (``IMERGE_PLAN_LOG=1`` prints every pair simulated). ``score(groups, size, bound=None)`` may stop
     and return ``inf`` once the score is known to exceed ``bound``: what a candidate must beat to win
-    (branch and bound; the winner is the same). Returns the winner, every plan's score at the chosen
+    (branch and bound; the winner is the same). ``cap``: what every simulation must beat to matter (a
+    second search that must beat a first one's winner): each stops once it cannot, so a plan scored
+    ``inf`` lost to the cap; where every plan at a size did, the search keeps the first and the size it
+    has. Returns the winner, every plan's score at the chosen
     size (``inf``: lost before the end), the size and a one-line explanation."""
     cache: dict[tuple[int, int], float] = {}
 
@@ -157,7 +168,7 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
                 # Branch and bound: a candidate must beat the best so far by TIE_TOLERANCE to win, so its
                 # simulation may stop once it cannot (inf: lost); the choice is the same as without.
                 bound = pick(out).iteration_s * (1.0 - TIE_TOLERANCE) if out else None
-                cache[(i, size)] = score(groups, size, bound=bound)
+                cache[(i, size)] = score(groups, size, bound=_capped(bound, cap))
             out.append(Candidate(label, groups, cache[(i, size)]))
         return out
 
@@ -174,7 +185,7 @@ def search(candidates: Sequence[tuple[str, list[list[int]]]], score: Callable[[l
                 if (at, size) not in cache:
                     bound = pick(tried, tolerance).iteration_s * (1.0 - tolerance) if tried \
                         else None
-                    cache[(at, size)] = score(best.groups, size, bound=bound)
+                    cache[(at, size)] = score(best.groups, size, bound=_capped(bound, cap))
                 tried.append(Candidate(f"{size >> 10} KiB", best.groups, cache[(at, size)]))
             sizes_note = "; partitions: " + ", ".join(f"{c.label} {c.iteration_s * 1e3:.2f} ms" for c in tried)
             size = sizes[tried.index(pick(tried, tolerance))]
@@ -231,14 +242,17 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                                            factors)
     stagger = waves = None
     if staggered:
-        # In waves the best plan and size can differ (fewer, larger groups): the whole search again.
+        # In waves the best plan and size can differ (fewer, larger groups): the whole search again, each
+        # simulation stopping once it cannot beat the first search's winner by the tolerance.
         waved, waved_scored, waved_partition, _ = search(
             candidates, lambda g, p, bound=None: score(g, p, True, bound=bound, waves=True), partition_bytes,
-            partitioned, tolerance, factors)
+            partitioned, tolerance, factors, cap=best.iteration_s * (1.0 - tolerance))
         if waved.iteration_s < best.iteration_s * (1.0 - tolerance):
             waves, best, scored, partition = True, waved, waved_scored, waved_partition
-        note += (f"; {'in waves' if waves else 'whole groups rotated'} (in waves: {waved.label}, "
-                 f"{len(waved.groups)} groups, {waved.iteration_s * 1e3:.2f} ms at {waved_partition >> 10} KiB)")
+        note += (f"; {'in waves' if waves else 'whole groups rotated'} (in waves: "
+                 + (f"{waved.label}, {len(waved.groups)} groups, {waved.iteration_s * 1e3:.2f} ms at "
+                    f"{waved_partition >> 10} KiB)" if math.isfinite(waved.iteration_s)
+                    else "none beat it by the tolerance)"))
         unstaggered, _, unstaggered_partition, _ = search([(best.label, best.groups)],
                                                           lambda g, p, bound=None: score(g, p, False, bound=bound),
                                                           partition, partitioned, tolerance, factors)

@@ -37,11 +37,16 @@ from .loop import _Sim
 from .results import KeyInfo, SimResult
 from .specs import FOLD_ABOVE, FOLD_HOSTS, FOLD_ORBIT_WORKERS, FOLD_WORKERS, ClusterSpec, ModelSpec
 
-# The steady state: a run whose last two iterations differ by more than STEADY_TOLERANCE is still in its
-# transient (with the overlap, queues can take a few iterations to build up) and runs again with twice the
-# iterations, up to MAX_ITERATIONS; its time is the mean of the last half (``_steady_window``).
+# The steady state: a run whose last iterations do not repeat the ones before them (one by one, or a cycle
+# of up to MAX_PERIOD, each within STEADY_TOLERANCE) is still in its transient (with the overlap, queues can
+# take a few iterations to build up) and runs again with twice the iterations, up to MAX_ITERATIONS; its
+# time is the mean of the last half, in whole cycles (``_steady_window``).
 STEADY_TOLERANCE = 0.01
 MAX_ITERATIONS = 24
+MAX_PERIOD = 4
+# A longer cycle must repeat exactly (the simulation is deterministic: a settled one repeats to rounding);
+# within STEADY_TOLERANCE two iterations of a drifting transient can pass for a cycle of two.
+CYCLE_TOLERANCE = 1e-6
 
 
 def _cut(nbytes: int, partition_bytes: int | None, servers: int = 1) -> list[int]:
@@ -428,18 +433,31 @@ def _per_iteration(sim: _Sim, iterations: int) -> list[float]:
     return [b - a for a, b in zip(starts, starts[1:])]
 
 
-def _steady_window(per_iteration: list[float]) -> list[float]:
+def _period(per_iteration: list[float]) -> int | None:
+    """The shortest cycle (1 to ``MAX_PERIOD`` iterations) whose last occurrence repeats the one before it,
+    never counting the first iteration: one iteration within ``STEADY_TOLERANCE`` of the one before, a
+    longer cycle within ``CYCLE_TOLERANCE``; None: not settled. A settled run can cycle (a queue that
+    drains every other iteration), so 1 alone would call it a transient until ``MAX_ITERATIONS``."""
+    body = per_iteration[1:]
+    for period in range(1, MAX_PERIOD + 1):
+        if len(body) < 2 * period:
+            break
+        tolerance = STEADY_TOLERANCE if period == 1 else CYCLE_TOLERANCE
+        if all(abs(a - b) <= tolerance * max(a, b) for a, b in zip(body[-period:], body[-2 * period:-period])):
+            return period
+    return None
+
+
+def _steady_window(per_iteration: list[float], period: int = 1) -> list[float]:
     """The iterations the steady time averages: the last half, at least two, never the first (which starts
-    with no communication pending); the only one of a single iteration."""
+    with no communication pending), cut to whole cycles of ``period`` (at least one); the only one of a
+    single iteration."""
     if len(per_iteration) < 2:
         return per_iteration
-    return per_iteration[-min(len(per_iteration) - 1, max(2, len(per_iteration) // 2)):]
-
-
-def _is_steady(per_iteration: list[float]) -> bool:
-    """Whether the run has settled: its last two iterations within ``STEADY_TOLERANCE`` of each other."""
-    a, b = per_iteration[-2], per_iteration[-1]
-    return abs(a - b) <= STEADY_TOLERANCE * max(a, b)
+    count = min(len(per_iteration) - 1, max(2, len(per_iteration) // 2))
+    if period > 1:
+        count = min(len(per_iteration) - 1, max(period, count - count % period))
+    return per_iteration[-count:]
 
 
 def _result(sim: _Sim, schedule: str, model: ModelSpec, cluster: ClusterSpec, iterations: int, choice: _Choice,
@@ -452,7 +470,7 @@ def _result(sim: _Sim, schedule: str, model: ModelSpec, cluster: ClusterSpec, it
     if sim.gave_up:
         return SimResult(iteration_s=math.inf, throughput=0.0, iteration_times=[], timeline=[], **common)
     per_iteration = _per_iteration(sim, iterations)
-    steady = _steady_window(per_iteration)
+    steady = _steady_window(per_iteration, _period(per_iteration) or 1)
     iteration_s = sum(steady) / len(steady)
     throughput = cluster.workers * model.batch_size / iteration_s if iteration_s > 0 else math.inf
     events = sorted(sim.timeline, key=lambda e: (e.start, e.end))
@@ -531,6 +549,6 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
         if cpu_deadline is not None and time.thread_time() > cpu_deadline:  # the key layout above took it
             raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
         sim.run()
-        if sim.gave_up or runs < 3 or runs >= MAX_ITERATIONS or _is_steady(_per_iteration(sim, runs)):
+        if sim.gave_up or runs < 3 or runs >= MAX_ITERATIONS or _period(_per_iteration(sim, runs)) is not None:
             return _result(sim, schedule, model, cluster, runs, choice, keys, fold, orbits)
         runs = min(2 * runs, MAX_ITERATIONS)
