@@ -191,7 +191,9 @@ def launch(cell_id: str, model: str, args, aggregate: bool, timeline: str | None
             [[round(u / r["iters"]), round(d / r["iters"])] for u, d in per_host],
             "cpu_s_per_iter": workers_cpu if peer or ranks_cpu is None else ranks_cpu / r["iters"],
             "workers_cpu_s_per_iter": workers_cpu, "iters": r["iters"], "time_scale": args.time_scale[model],
-            "bandwidth": args.bandwidth, "mtu": args.mtu})
+            "bandwidth": args.bandwidth, "mtu": args.mtu,
+            # what the engine installed (groups, partitions, stagger, waves, windows, tail credit)
+            "plan": r.get("plan")})
     return rows
 
 

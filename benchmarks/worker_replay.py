@@ -249,9 +249,15 @@ def run_schedule(schedule: str, profile: dict, args, imh, worker_comm) -> dict |
 def installed_plan(engine) -> dict:
     """The plan the engine ran: its groups (parameter indices in registration order, which are the
     profile's tensor order and so the simulator's) in send order, and the partition size of
-    partitioned schedules (None otherwise). ``run.py`` simulates exactly this plan."""
+    partitioned schedules (None otherwise). ``run.py`` simulates exactly this plan. The windows and
+    whether a tail group is installed are recorded too (``tail_credit`` False: none, as a searched plan
+    without the tail credit says)."""
+    policy = engine.policy
+    tailed = any(g.tail_keys for g in engine.groups)
     return {"groups": [list(g.members) for g in engine.groups], "partition_bytes": engine.partition_limit,
-            "stagger": engine.policy.stagger, "waves": engine.policy.waves}
+            "stagger": policy.stagger, "waves": policy.waves, "credit_bytes": policy.credit_bytes,
+            "server_credit_bytes": policy.server_credit_bytes,
+            "tail_credit": None if policy.tail_credit_bytes is None else tailed}
 
 
 def _ab_policies(engine, alternate: str | None) -> list[dict] | None:

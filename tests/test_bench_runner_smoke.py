@@ -219,10 +219,16 @@ def test_installed_plan_reports_groups_and_partition():
     sys.path.insert(0, str(REPO))
     from benchmarks.worker_replay import installed_plan
 
-    def engine(partition_limit: int | None) -> SimpleNamespace:
-        return SimpleNamespace(groups=[SimpleNamespace(members=[3, 2]), SimpleNamespace(members=(1, 0))],
-                               partition_limit=partition_limit, policy=SimpleNamespace(stagger=True, waves=True))
+    def engine(partition_limit: int | None, tail_keys: int = 0, tail_credit: int | None = 1 << 20) -> SimpleNamespace:
+        policy = SimpleNamespace(stagger=True, waves=True, credit_bytes=8 << 20, server_credit_bytes=4 << 20,
+                                 tail_credit_bytes=tail_credit)
+        return SimpleNamespace(groups=[SimpleNamespace(members=[3, 2], tail_keys=tail_keys),
+                                       SimpleNamespace(members=(1, 0), tail_keys=0)],
+                               partition_limit=partition_limit, policy=policy)
 
     assert installed_plan(engine(2 << 20)) == {"groups": [[3, 2], [1, 0]], "partition_bytes": 2 << 20,
-                                               "stagger": True, "waves": True}
+                                               "stagger": True, "waves": True, "credit_bytes": 8 << 20,
+                                               "server_credit_bytes": 4 << 20, "tail_credit": False}
     assert installed_plan(engine(None))["partition_bytes"] is None
+    assert installed_plan(engine(None, tail_keys=2))["tail_credit"] is True
+    assert installed_plan(engine(None, tail_credit=None))["tail_credit"] is None
