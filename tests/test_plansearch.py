@@ -310,6 +310,32 @@ def test_the_search_in_waves_stops_each_simulation_that_cannot_beat_the_first_wi
     assert best.label == "fused" and [c.iteration_s for c in scored] == [0.9, 1.0]
 
 
+def test_on_an_approximate_fold_every_worker_decides_stagger_window_and_tail():
+    """With ``exact`` (every worker simulated), the staggered winner is scored again on it and the last
+    choices are made there by PARTITION_TOLERANCE: a 3% gain the fold's 5% tolerance would hide counts."""
+    from imerge_hooks.plan.search import FOLD_TOLERANCE
+
+    cands = [("fused", [[0, 1, 2]])]
+
+    def score(groups, partition, stagger=True, bound=None, server_credit=None, tail=True, waves=False):
+        return 2.0 if not stagger else (1.0 if tail else 0.97)
+
+    exact_calls = []
+
+    def exact(groups, partition, stagger=True, bound=None, server_credit=None, tail=True, waves=False):
+        exact_calls.append((stagger, tail))
+        return score(groups, partition, stagger, server_credit=server_credit, tail=tail) * 1.01
+
+    common = dict(partitioned=False, staggered=True, tailed=True, tolerance=FOLD_TOLERANCE)
+    folded, _ = searched_plan(cands, score, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB, **common)
+    assert folded.tail_credit is None  # 3% < 5%: the fold cannot tell
+    chosen, _ = searched_plan(cands, score, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB, exact=exact,
+                              **common)
+    assert chosen.tail_credit is False and chosen.stagger is True
+    assert exact_calls == [(True, True), (True, False)]
+    assert "on every worker: 1010.00 ms (folded: 1000.00 ms)" in chosen.note
+
+
 def test_the_replanner_installs_what_the_search_chose():
     """Stagger, waves and windows go into the engine's policy together, and a later plan without waves
     turns them off again; a plan without the tail credit gets no tail group."""

@@ -207,7 +207,7 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                   ready: Sequence[float], cost_model: CostModel, partition_bytes: int,
                   partitioned: bool, staggered: bool = False, windowed: bool = False,
                   tolerance: float = PARTITION_TOLERANCE, servers: int = 1,
-                  tailed: bool = False) -> tuple[Plan, list[Candidate]]:
+                  tailed: bool = False, exact: Callable[..., float] | None = None) -> tuple[Plan, list[Candidate]]:
     """:func:`search`, as a Plan: the winner's groups with their FIFO-model start/end times,
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and the
     explanation as ``note``; plus every candidate's score.
@@ -235,7 +235,12 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     ``tailed`` (the schedule holds other keys to the tail credit near the end of backward): ``score`` takes
     ``tail``, and the winner is tried without the tail credit last; without must win by ``tolerance``
     (``tail_credit``). The tail credit helps where the last groups' pushes queue behind earlier keys; where
-    every key is large and the window small (8 x 8 MiB) it only throttles the link."""
+    every key is large and the window small (8 x 8 MiB) it only throttles the link.
+
+    ``exact`` (``score``'s signature, on every worker rather than a fold: where ``score`` is an approximate
+    fold and every worker is cheap to simulate): a staggered winner is scored again with it, and stagger,
+    window and tail credit are decided on it, by ``PARTITION_TOLERANCE`` instead of ``tolerance`` (the
+    choice is then not hidden by the fold's error)."""
     factors = MANY_SERVERS_FACTORS if servers > MANY_SERVERS else PARTITION_FACTORS
     best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
                                            if staggered else score, partition_bytes, partitioned, tolerance,
@@ -256,6 +261,13 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
         unstaggered, _, unstaggered_partition, _ = search([(best.label, best.groups)],
                                                           lambda g, p, bound=None: score(g, p, False, bound=bound),
                                                           partition, partitioned, tolerance, factors)
+        if exact is not None:
+            # Without stagger the fold is exact; with it, every worker decides from here on.
+            folded = best.iteration_s
+            best = Candidate(best.label, best.groups, exact(best.groups, partition, True,
+                                                            **({"waves": True} if waves else {})))
+            score, tolerance = exact, PARTITION_TOLERANCE
+            note += f"; on every worker: {best.iteration_s * 1e3:.2f} ms (folded: {folded * 1e3:.2f} ms)"
         stagger = not unstaggered.iteration_s < best.iteration_s * (1.0 - tolerance)
         if not stagger:
             best, partition, waves = unstaggered, unstaggered_partition, None

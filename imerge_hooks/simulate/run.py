@@ -44,6 +44,9 @@ from .specs import FOLD_ABOVE, FOLD_HOSTS, FOLD_ORBIT_WORKERS, FOLD_WORKERS, Clu
 STEADY_TOLERANCE = 0.01
 MAX_ITERATIONS = 24
 MAX_PERIOD = 4
+# Up to this many workers on the orbit fold the search's last choices are simulated on every worker
+# (searched_plan's ``exact``): a few seconds each at 64 (benchmarks/results/fold-check.json's cpu_every_s).
+EVERY_WORKER_DECIDES = 64
 # A longer cycle must repeat exactly (the simulation is deterministic: a settled one repeats to rounding);
 # within STEADY_TOLERANCE two iterations of a drifting transient can pass for a cycle of two.
 CYCLE_TOLERANCE = 1e-6
@@ -261,7 +264,7 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
     """
     def score(cand: list[list[int]], partition: int, stagger: bool | None = None,
               bound: float | None = None, server_credit: int | None = None, tail: bool = True,
-              waves: bool = False) -> float:
+              waves: bool = False, every_worker: bool = False) -> float:
         if cpu_deadline is not None and time.thread_time() > cpu_deadline:
             raise SearchBudgetSpent("IMerge simulate: the plan search's CPU budget ran out")
         seconds = simulate(model, cluster, schedule, timeline=False, groups=[[order[j] for j in g] for g in cand],
@@ -269,26 +272,31 @@ def search_by_simulation(model: ModelSpec, cluster: ClusterSpec, schedule: str, 
                            tail_credit_bytes=tail_credit_bytes if tail else None,
                            cost_model=cost_model, overlap_forward=overlap_forward, iterations=iterations,
                            stagger=stagger, give_up_s=bound, cpu_deadline=cpu_deadline,
-                           server_credit_bytes=server_credit, waves=waves).iteration_s
+                           server_credit_bytes=server_credit, waves=waves,
+                           fold_workers=not every_worker).iteration_s
         if on_scored is not None:
             on_scored(seconds, cand, partition, stagger)
         return seconds
 
     traits = SCHEDULE_TRAITS[schedule]
     # On an approximate fold (server_orbits, host_fold) a partition size, stagger or window other than the
-    # configured one must win by more than that fold's error.
+    # configured one must win by more than that fold's error. On the orbit fold of a few dozen workers,
+    # simulating every worker is cheap: stagger, window and tail credit are decided that way.
     fold = fold_factor(cluster, True)
+    exact = None
     if fold > 1 and cluster.hosts is not None:
         tolerance = HOST_FOLD_TOLERANCE
     elif not traits.stagger or server_orbits(cluster, fold, True) is None:
         tolerance = PARTITION_TOLERANCE
     else:
         tolerance = FOLD_TOLERANCE
+        if cluster.workers <= EVERY_WORKER_DECIDES:
+            exact = functools.partial(score, every_worker=True)
     return searched_plan(candidate_plans(sizes, ready, cost_model, dtypes), score, sizes, ready, cost_model,
                          partition_bytes, traits.partition, staggered=traits.stagger and cluster.servers > 1,
                          windowed=traits.partition and cluster.servers > 1,
                          tolerance=tolerance, servers=cluster.servers,
-                         tailed=traits.tail_credit and tail_credit_bytes is not None)
+                         tailed=traits.tail_credit and tail_credit_bytes is not None, exact=exact)
 
 
 def _check_groups(groups: Sequence[Sequence[int]], n: int) -> list[list[int]]:
