@@ -336,6 +336,20 @@ def test_on_an_approximate_fold_every_worker_decides_stagger_window_and_tail():
     assert "on every worker: 1010.00 ms (folded: 1000.00 ms)" in chosen.note
 
 
+def test_a_search_that_cannot_judge_stagger_runs_and_installs_none():
+    cands = [("fused", [[0, 1, 2]]), ("split", [[0], [1], [2]])]
+    seen = set()
+
+    def score(groups, partition, stagger=True, bound=None, server_credit=None, tail=True, waves=False):
+        seen.add((stagger, waves))
+        return 1.0 if len(groups) == 1 else 0.9
+
+    chosen, _ = searched_plan(cands, score, [1, 1, 1], [0.0, 0.1, 0.2], LinearModel(0.0, 1e-9), MiB,
+                              partitioned=True, staggered=True, windowed=True, tailed=True, unstaggered=True)
+    assert chosen.stagger is False and chosen.waves is None and len(chosen.groups) == 3
+    assert seen == {(False, False)}
+
+
 def test_the_replanner_installs_what_the_search_chose():
     """Stagger, waves and windows go into the engine's policy together, and a later plan without waves
     turns them off again; a plan without the tail credit gets no tail group."""

@@ -120,6 +120,25 @@ def test_fold_over_servers_is_flagged_close_and_searched_on_with_a_margin(monkey
     assert seen[-1] == HOST_FOLD_TOLERANCE
 
 
+def test_on_the_orbit_fold_every_worker_decides_stagger_up_to_64_and_none_is_chosen_above(monkeypatch):
+    """Up to EVERY_WORKER_DECIDES workers the search's last choices are made on every worker; above, on the
+    orbit fold, the search cannot judge stagger (the fold can be tens of percent optimistic with it) and
+    installs none, where the fold is exact."""
+    calls = []
+    real = run.searched_plan
+    monkeypatch.setattr(run, "searched_plan", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    small = simulate(model(), ClusterSpec(workers=32, servers=32, bandwidth_Bps=1.25e8, startup_s=1e-4), "imerge",
+                     timeline=False)
+    assert calls[-1]["exact"] is not None and not calls[-1]["unstaggered"]
+    assert "on every worker:" in small.plan.note or small.plan.stagger is False
+    large = simulate(model(), ClusterSpec(workers=128, servers=128, bandwidth_Bps=1.25e8, startup_s=1e-4), "imerge",
+                     timeline=False)
+    assert calls[-1]["exact"] is None and calls[-1]["unstaggered"]
+    assert calls[-1]["tolerance"] == PARTITION_TOLERANCE  # without stagger the fold is exact
+    assert large.plan.stagger is False and large.server_orbits is None
+    assert "without stagger (the simulation cannot judge it here)" in large.plan.note
+
+
 def reference_place(load, link, nxt, server_hosts, pushers, nbytes):
     """Placement.place written out the long way: every host link's bytes after each candidate server."""
     order = [s % len(load) for s in range(nxt, nxt + len(load))]

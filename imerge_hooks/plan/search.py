@@ -207,7 +207,8 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                   ready: Sequence[float], cost_model: CostModel, partition_bytes: int,
                   partitioned: bool, staggered: bool = False, windowed: bool = False,
                   tolerance: float = PARTITION_TOLERANCE, servers: int = 1,
-                  tailed: bool = False, exact: Callable[..., float] | None = None) -> tuple[Plan, list[Candidate]]:
+                  tailed: bool = False, exact: Callable[..., float] | None = None,
+                  unstaggered: bool = False) -> tuple[Plan, list[Candidate]]:
     """:func:`search`, as a Plan: the winner's groups with their FIFO-model start/end times,
     ``method`` ``optimal``, the chosen ``partition_bytes`` (partitioned schedules) and the
     explanation as ``note``; plus every candidate's score.
@@ -240,13 +241,22 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
     ``exact`` (``score``'s signature, on every worker rather than a fold: where ``score`` is an approximate
     fold and every worker is cheap to simulate): a staggered winner is scored again with it, and stagger,
     window and tail credit are decided on it, by ``PARTITION_TOLERANCE`` instead of ``tolerance`` (the
-    choice is then not hidden by the fold's error)."""
+    choice is then not hidden by the fold's error).
+
+    ``unstaggered`` (a staggering schedule where ``score`` cannot judge stagger and nothing can check it):
+    ``score`` takes ``stagger`` as with ``staggered``; the search runs without stagger and the Plan says so
+    (``stagger`` False)."""
     factors = MANY_SERVERS_FACTORS if servers > MANY_SERVERS else PARTITION_FACTORS
-    best, scored, partition, note = search(candidates, (lambda g, p, bound=None: score(g, p, True, bound=bound))
-                                           if staggered else score, partition_bytes, partitioned, tolerance,
-                                           factors)
+    first = score
+    if staggered or unstaggered:
+        def first(g: list[list[int]], p: int, bound: float | None = None) -> float:
+            return score(g, p, not unstaggered, bound=bound)
+    best, scored, partition, note = search(candidates, first, partition_bytes, partitioned, tolerance, factors)
     stagger = waves = None
-    if staggered:
+    if unstaggered:
+        stagger = False
+        note += "; without stagger (the simulation cannot judge it here)"
+    elif staggered:
         # In waves the best plan and size can differ (fewer, larger groups): the whole search again, each
         # simulation stopping once it cannot beat the first search's winner by the tolerance.
         waved, waved_scored, waved_partition, _ = search(
