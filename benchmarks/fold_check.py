@@ -1,6 +1,6 @@
 """The simulator's fold against simulating every worker (``imerge_hooks.simulate.fold_factor``).
 
-    python benchmarks/fold_check.py [--workers 32,64] [--out benchmarks/results/fold-check.json]
+    python benchmarks/fold_check.py [--workers 32,64] [--partitions 0,256] [--out benchmarks/results/fold-check.json]
     python benchmarks/fold_check.py --hosts --workers 128,256 [--out benchmarks/results/fold-check-hosts.json]
 
 For every benchmark profile, W and S in (W, W/2), on the cluster ``benchmarks/plan_time.py`` uses
@@ -8,7 +8,9 @@ For every benchmark profile, W and S in (W, W/2), on the cluster ``benchmarks/pl
 ``wfbp`` (no stagger: the fold is exact) and ``imerge`` (the DP plan, with stagger: exact where the
 simulated workers are a multiple of S, else servers are folded too, approximately: ``orbits``; and
 ``imerge+waves``, staggered in waves, ``schedule.key_slots``) simulated folded and with every worker, the
-same plan in both, and the seconds each took.
+same plan in both, and the seconds each took. ``--partitions`` (KiB; 0: the configured size): the
+partition sizes of the ``imerge`` rows; 256 KiB is the floor, where the plan search on the fold goes
+most often and where the fold with stagger is furthest off.
 
 ``--hosts``: the fold of alike hosts (``imerge_hooks.simulate.run.host_fold``) on ``host_tables.py``'s
 layout (hosts of 8 workers, one server on each, host aggregation, 1 Gbit/s NICs at TCP goodput), where
@@ -38,29 +40,33 @@ def main() -> None:
     parser.add_argument("--workers", default="32,64")
     parser.add_argument("--out", default=None)
     parser.add_argument("--hosts", action="store_true", help="hosts of 8 with a server each (the fold of alike hosts)")
+    parser.add_argument("--partitions", default="0,256", help="KiB, for the imerge rows (0: the configured size)")
     args = parser.parse_args()
     if args.hosts:
         return hosts_check(args)
     rows = []
-    print(f"{'profile':<10} {'W':>4} {'S':>4} {'schedule':<12} {'fold':>4} {'orbits':>6} {'every worker':>13} "
-          f"{'folded':>9} {'error':>8} "
-          f"{'s (every)':>10} {'s (fold)':>9}")
+    print(f"{'profile':<10} {'W':>4} {'S':>4} {'schedule':<12} {'KiB':>5} {'fold':>4} {'orbits':>6} "
+          f"{'every worker':>13} {'folded':>9} {'error':>8} {'s (every)':>10} {'s (fold)':>9}")
+    sizes = [int(k) << 10 or None for k in args.partitions.split(",")]
+    cases = [("wfbp", None)] + [(s, p) for p in sizes for s in ("imerge", "imerge+waves")]
     for profile in PROFILES:
         spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json")
         for workers in map(int, args.workers.split(",")):
             for servers in (workers, workers // 2):
                 cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e9, startup_s=2e-4)
                 model = calibrate_model(cluster)
-                for schedule in ("wfbp", "imerge", "imerge+waves"):
-                    full, folded, _, full_s, fold_s = compare(spec, cluster, schedule, model, None, time.perf_counter)
+                for schedule, size in cases:
+                    full, folded, size, full_s, fold_s = compare(spec, cluster, schedule, model, size,
+                                                                 time.perf_counter)
                     error = folded.iteration_s / full.iteration_s - 1
+                    size = size if schedule != "wfbp" else None
                     rows.append({"profile": profile, "workers": workers, "servers": servers, "schedule": schedule,
-                                 "fold": folded.fold, "server_orbits": folded.server_orbits,
+                                 "partition_bytes": size, "fold": folded.fold, "server_orbits": folded.server_orbits,
                                  "every_worker_s": full.iteration_s,
                                  "folded_s": folded.iteration_s, "error": error, "cpu_every_s": full_s,
                                  "cpu_folded_s": fold_s})
-                    print(f"{profile:<10} {workers:>4} {servers:>4} {schedule:<12} {folded.fold:>4} "
-                          f"{folded.server_orbits or '-':>6} {full.iteration_s:>13.4f} "
+                    print(f"{profile:<10} {workers:>4} {servers:>4} {schedule:<12} {size >> 10 if size else '-':>5} "
+                          f"{folded.fold:>4} {folded.server_orbits or '-':>6} {full.iteration_s:>13.4f} "
                           f"{folded.iteration_s:>9.4f} {100 * error:>+7.2f}% {full_s:>10.2f} {fold_s:>9.2f}",
                           flush=True)
     write(args.out, rows)
