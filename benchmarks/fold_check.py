@@ -12,6 +12,9 @@ same plan in both, and the seconds each took. ``--partitions`` (KiB; 0: the conf
 partition sizes of the ``imerge`` rows; 256 KiB is the floor, where the plan search on the fold goes
 most often and where the fold with stagger is furthest off.
 
+``--gpu``: the same on ``benchmarks/gpu_tables.py``'s cluster (GPU-speed compute, 10 Gbit/s links), where
+communication binds and the fold with stagger is furthest off at small partitions.
+
 ``--hosts``: the fold of alike hosts (``imerge_hooks.simulate.run.host_fold``) on ``host_tables.py``'s
 layout (hosts of 8 workers, one server on each, host aggregation, 1 Gbit/s NICs at TCP goodput), where
 it is approximate with or without stagger; ``imerge`` at the configured partition size and at 1 and
@@ -41,6 +44,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--hosts", action="store_true", help="hosts of 8 with a server each (the fold of alike hosts)")
     parser.add_argument("--partitions", default="0,256", help="KiB, for the imerge rows (0: the configured size)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="GPU-speed compute on 10 Gbit/s links (benchmarks/gpu_tables.py's cluster), where "
+                             "communication binds")
     args = parser.parse_args()
     if args.hosts:
         return hosts_check(args)
@@ -53,7 +59,8 @@ def main() -> None:
         spec = ModelSpec.from_profile_json(REPO / "benchmarks" / "profiles" / f"{profile}-cpu.json")
         for workers in map(int, args.workers.split(",")):
             for servers in (workers, workers // 2):
-                cluster = ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e9, startup_s=2e-4)
+                cluster = gpu_cluster(profile, spec, workers, servers) if args.gpu else \
+                    ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=1.25e9, startup_s=2e-4)
                 model = calibrate_model(cluster)
                 for schedule, size in cases:
                     full, folded, size, full_s, fold_s = compare(spec, cluster, schedule, model, size,
@@ -70,6 +77,15 @@ def main() -> None:
                           f"{folded.iteration_s:>9.4f} {100 * error:>+7.2f}% {full_s:>10.2f} {fold_s:>9.2f}",
                           flush=True)
     write(args.out, rows)
+
+
+def gpu_cluster(profile: str, spec: ModelSpec, workers: int, servers: int) -> ClusterSpec:
+    """``benchmarks/gpu_tables.py``'s S = W cluster at 10 Gbit/s: the profile at GPU speed, a host per rank."""
+    from benchmarks.gpu_speed import time_scale
+    from benchmarks.gpu_tables import FALLBACK_STARTUP_S, link_Bps
+
+    return ClusterSpec(workers=workers, servers=servers, bandwidth_Bps=link_Bps(10), startup_s=FALLBACK_STARTUP_S,
+                       time_scale=time_scale(profile, spec))
 
 
 def compare(spec: ModelSpec, cluster: ClusterSpec, schedule: str, model, partition: int | None, clock) -> tuple:
