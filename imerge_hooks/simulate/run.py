@@ -529,7 +529,9 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     the whole group (``schedule.key_slots``; None: as the searched plan chose, else the whole group).
     ``fold_workers``: simulate the alike workers of a large cluster through a few that stand for
     them (``fold_factor``; ``SimResult.fold`` says how many each stands for, and the timeline then
-    has tracks for those only); False: every worker and server.
+    has tracks for those only); False: every worker and server. A plan searched here up to 64 workers
+    (``EVERY_WORKER_DECIDES``), which the search judged on every worker, is simulated on every worker
+    where the fold would be the approximate one with stagger (``server_orbits``).
     See the module doc for the model.
     """
     _check_args(model, cluster, schedule, cost_model, partition_bytes=partition_bytes, credit_bytes=credit_bytes,
@@ -546,6 +548,11 @@ def simulate(model: ModelSpec, cluster: ClusterSpec, schedule: str, *, partition
     staggered = traits.stagger if choice.stagger is None else bool(choice.stagger)
     fold = fold_factor(cluster, staggered) if fold_workers else 1
     orbits = server_orbits(cluster, fold, staggered)
+    searched = groups is None and plan_search and traits.planner == "optimal"
+    if orbits is not None and searched and cluster.workers <= EVERY_WORKER_DECIDES:
+        # A searched plan the search judged on every worker is reported there too (the orbit fold with
+        # stagger can be far off; docs/architecture.md, "Plan search").
+        fold, orbits = 1, None
     tail, policy = _flow_control(schedule, cluster, choice, compute.ready_at, cost_model, credit_bytes,
                                  tail_credit_bytes)
     runs = iterations
