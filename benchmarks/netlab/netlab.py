@@ -300,7 +300,7 @@ def check_environment(probe: bool = True, prefix: str = DEFAULT_PREFIX) -> None:
         )
     if not probe:
         return
-    ns = f"{prefix}-probe"
+    ns = _probe_ns(prefix)
     _ip("netns", "del", ns, check=False)
     try:
         proc = _ip("netns", "add", ns, check=False)
@@ -339,6 +339,12 @@ def check_environment(probe: bool = True, prefix: str = DEFAULT_PREFIX) -> None:
         _ip("netns", "del", ns, check=False)
 
 
+def _probe_ns(prefix: str) -> str:
+    """A throw-away namespace of this process: two test processes probing at once must not share one
+    (one's ``netns add`` would find the other's veth: "File exists", and the lab would look missing)."""
+    return f"{prefix}-probe-{os.getpid()}"
+
+
 def netlab_available(prefix: str = "imlabprobe") -> str | None:
     """``None`` if the lab can be built here, else the reason (for pytest skips)."""
     try:
@@ -350,8 +356,8 @@ def netlab_available(prefix: str = "imlabprobe") -> str | None:
 
 def netem_available(prefix: str = DEFAULT_PREFIX) -> bool:
     """Whether the kernel has the netem qdisc (needed for ``--latency`` > 0).
-    Probed in a throw-away namespace ``<prefix>-probe``."""
-    ns = f"{prefix}-probe"
+    Probed in a throw-away namespace ``<prefix>-probe-<pid>``."""
+    ns = _probe_ns(prefix)
     _ip("netns", "del", ns, check=False)
     try:
         _ip("netns", "add", ns)
@@ -403,7 +409,7 @@ def auto_burst(rate_bit: int, mtu: int = 1500) -> int:
 def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Lab namespaces (``<prefix>-sw``, ``<prefix>-h<i>``) that exist now."""
     proc = _ip("netns", "list", check=False)
-    pat = re.compile(rf"^{re.escape(prefix)}-(sw|h\d+|probe)$")
+    pat = re.compile(rf"^{re.escape(prefix)}-(sw|h\d+|probe(-\d+)?)$")
     names = []
     for line in proc.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
