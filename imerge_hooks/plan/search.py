@@ -268,9 +268,9 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                  + (f"{waved.label}, {len(waved.groups)} groups, {waved.iteration_s * 1e3:.2f} ms at "
                     f"{waved_partition >> 10} KiB)" if math.isfinite(waved.iteration_s)
                     else "none beat it by the tolerance)"))
-        unstaggered, _, unstaggered_partition, _ = search([(best.label, best.groups)],
-                                                          lambda g, p, bound=None: score(g, p, False, bound=bound),
-                                                          partition, partitioned, tolerance, factors)
+        flat, _, flat_partition, _ = search([(best.label, best.groups)],
+                                            lambda g, p, bound=None: score(g, p, False, bound=bound),
+                                            partition, partitioned, tolerance, factors)
         if exact is not None:
             # Without stagger the fold is exact; with it, every worker decides from here on.
             folded = best.iteration_s
@@ -278,11 +278,11 @@ def searched_plan(candidates: Sequence[tuple[str, list[list[int]]]],
                                                             **({"waves": True} if waves else {})))
             score, tolerance = exact, PARTITION_TOLERANCE
             note += f"; on every worker: {best.iteration_s * 1e3:.2f} ms (folded: {folded * 1e3:.2f} ms)"
-        stagger = not unstaggered.iteration_s < best.iteration_s * (1.0 - tolerance)
+        stagger = not flat.iteration_s < best.iteration_s * (1.0 - tolerance)
         if not stagger:
-            best, partition, waves = unstaggered, unstaggered_partition, None
-        note += (f"; {'with' if stagger else 'without'} stagger (without: {unstaggered.iteration_s * 1e3:.2f} ms at "
-                 f"{unstaggered_partition >> 10} KiB)")
+            best, partition, waves = flat, flat_partition, None
+        note += (f"; {'with' if stagger else 'without'} stagger (without: {flat.iteration_s * 1e3:.2f} ms at "
+                 f"{flat_partition >> 10} KiB)")
     # What the later choices keep of the earlier ones: stagger (a positional argument) and waves.
     kept = ((() if stagger is None else (stagger,)), ({"waves": True} if waves else {}))
     server_credit = None
