@@ -37,10 +37,11 @@ from .loop import _Sim
 from .results import KeyInfo, SimResult
 from .specs import FOLD_ABOVE, FOLD_HOSTS, FOLD_ORBIT_WORKERS, FOLD_WORKERS, ClusterSpec, ModelSpec
 
-# The steady state: a run whose last iterations do not repeat the ones before them (one by one, or a cycle
-# of up to MAX_PERIOD, each within STEADY_TOLERANCE) is still in its transient (with the overlap, queues can
-# take a few iterations to build up) and runs again with twice the iterations, up to MAX_ITERATIONS; its
-# time is the mean of the last half, in whole cycles (``_steady_window``).
+# The steady state: a run whose last iterations do not repeat the ones before them (the last within
+# STEADY_TOLERANCE of the one before, or a cycle of up to MAX_PERIOD within CYCLE_TOLERANCE) is still in
+# its transient (with the overlap, queues can take a few iterations to build up) and runs again with twice
+# the iterations, up to MAX_ITERATIONS; its time is the mean of the last half, in whole cycles
+# (``_steady_window``).
 STEADY_TOLERANCE = 0.01
 MAX_ITERATIONS = 24
 MAX_PERIOD = 4
